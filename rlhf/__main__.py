@@ -1,0 +1,3 @@
+from rlhf.cli import main
+
+raise SystemExit(main())

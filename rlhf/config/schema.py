@@ -1,0 +1,164 @@
+"""The schema of every option. YAML files in configs/ and command-line overrides are checked against it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class ParallelConfig:
+    """Megatron parallel layout of one role. world size = tp * pp * dp."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-5
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    warmup_steps: int = 0
+    lr_decay_style: str = "constant"  # constant | cosine | linear
+    use_distributed_optimizer: bool = False
+    max_consecutive_nonfinite: int = 3  # stop after this many skipped (NaN/Inf) steps in a row
+
+
+@dataclass
+class ResourceConfig:
+    """Per-actor resources. On CPU, fractions of a CPU are allowed."""
+
+    num_cpus_per_worker: float = 0.5
+    num_gpus_per_worker: float = 0.0
+    colocate_with: Optional[str] = None  # name of a role whose placement group this role shares
+
+
+@dataclass
+class RoleConfig:
+    """A Megatron worker group: policy, reference, critic or reward model."""
+
+    enabled: bool = True
+    model_path: Optional[str] = None  # HF folder; defaults to model.path
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    resources: ResourceConfig = field(default_factory=ResourceConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    micro_batch_size: int = 8
+    dtype: str = "float32"  # float32 | bfloat16
+    offload: bool = False  # GPU only: keep parameters on CPU between uses
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None  # HF model folder (config.json, safetensors, tokenizer)
+    preset: Optional[str] = None  # create this tiny preset under the run dir when path is unset
+    tokenizer_path: Optional[str] = None  # defaults to path
+
+
+@dataclass
+class RolloutConfig:
+    n: int = 8  # samples per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int = 0
+    dtype: str = "float32"
+    tp: int = 1
+    kv_cache_gb: float = 1.0
+    max_num_seqs: int = 256
+    num_cpus: float = 1.0
+    sync_bucket_mb: float = 64.0
+    verify_first_sync: bool = True
+    verify_every_sync: bool = False
+    verify_tolerance: float = 1e-3
+
+
+@dataclass
+class DataConfig:
+    train_file: Optional[str] = None  # jsonl or parquet
+    val_file: Optional[str] = None  # held-out prompts; or split off the train file by val_size
+    val_size: int = 0
+    prompt_key: str = "prompt"  # raw text prompt, or
+    messages_key: Optional[str] = None  # chat messages (the chat template is applied)
+    answer_key: str = "answer"  # ground truth given to the reward
+    prompts_per_step: int = 16
+    seed: int = 0
+    # SFT / pretraining
+    seq_length: int = 128
+    data_prefix: list[str] = field(default_factory=list)  # Megatron indexed data: [w1, p1, w2, p2] or [p]
+    split: str = "949,50,1"
+    pack: bool = False
+    eod_mask_loss: bool = False
+
+
+@dataclass
+class RewardConfig:
+    fn: Optional[str] = "exact_match"  # a name in algorithms.rewards or "module:function"
+    model_path: Optional[str] = None  # a reward-model group instead of a function
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "grpo"  # grpo | ppo | sft | pretrain
+    adv_estimator: str = "grpo"
+    norm_by_std: bool = True
+    gamma: float = 1.0
+    lam: float = 1.0
+    kl_kind: str = "k3"
+    kl_coef: float = 0.0
+    kl_in_reward: bool = False  # False: KL as a loss term
+    kl_ctrl: str = "fixed"  # fixed | adaptive
+    kl_target: float = 0.1
+    kl_horizon: int = 10000
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    clip_c: Optional[float] = None  # dual clip
+    value_clip: float = 0.2
+    entropy_coef: float = 0.0
+    loss_agg_mode: str = "token-mean"
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+    dynamic_sampling: bool = False
+    max_resample_rounds: int = 3
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 10
+    output_dir: str = "runs/default"
+    seed: int = 0
+    save_every: int = 0  # 0: only at the end
+    val_every: int = 0  # 0: only at the start and the end
+    log_every: int = 1
+    resume: str = "never"  # never | auto
+    export_hf: bool = True
+    timeout_s: float = 300.0  # every remote call
+    ray_address: Optional[str] = None
+    ray_num_cpus: Optional[int] = None
+    global_batch_size: int = 0  # SFT / pretrain: sequences per optimizer step; 0 = micro * dp
+    eval_iters: int = 2
+    progress_bar: bool = True
+    tensorboard: bool = True
+
+
+@dataclass
+class RunConfig:
+    """The whole run. Sections mirror the roles of one RL step."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    policy: RoleConfig = field(default_factory=RoleConfig)
+    reference: RoleConfig = field(default_factory=RoleConfig)
+    critic: RoleConfig = field(default_factory=lambda: RoleConfig(enabled=False))
+    reward_model: RoleConfig = field(default_factory=lambda: RoleConfig(enabled=False))
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)

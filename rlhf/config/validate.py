@@ -1,0 +1,188 @@
+"""Checks that run before any worker starts. Each error names the field and what was expected."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlhf.config.schema import RoleConfig, RunConfig
+from rlhf.errors import ConfigError
+
+ALGORITHMS = ("grpo", "ppo", "sft", "pretrain")
+KL_KINDS = ("k1", "k2", "k3", "low_var_kl", "abs", "k3+")
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a model that parallel layouts must divide."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    max_positions: int
+    source: str
+
+
+def model_shape(path: str | None, preset: str | None) -> ModelShape | None:
+    """Read the layer and head counts from an HF config.json, or from a tiny preset."""
+    if path:
+        cfg_file = Path(path) / "config.json"
+        if not cfg_file.is_file():
+            raise ConfigError(f"model.path: {path} has no config.json (expected an HF model folder)")
+        try:
+            c = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"model.path: {cfg_file} line {e.lineno} is not valid JSON: {e.msg}") from None
+        heads = c.get("num_attention_heads")
+        return ModelShape(
+            c.get("num_hidden_layers"), heads, c.get("num_key_value_heads", heads),
+            c.get("max_position_embeddings", 1 << 30), str(cfg_file),
+        )
+    if preset:
+        from rlhf.tiny_models import PRESETS
+
+        if preset not in PRESETS:
+            raise ConfigError(f"model.preset: unknown preset {preset!r}; expected one of {', '.join(PRESETS)}")
+        p = PRESETS[preset]
+        return ModelShape(p.num_layers, p.num_heads, p.num_kv_heads, p.max_position_embeddings, f"preset {preset}")
+    return None
+
+
+def _require(cond: bool, field: str, expected: str, got: object) -> None:
+    if not cond:
+        raise ConfigError(f"{field}: expected {expected}, got {got!r}")
+
+
+def _choice(value: str, field: str, choices: tuple[str, ...]) -> None:
+    _require(value in choices, field, f"one of {', '.join(choices)}", value)
+
+
+def _check_role(name: str, role: RoleConfig, shape: ModelShape | None) -> None:
+    par = role.parallel
+    for k in ("tp", "pp", "dp"):
+        _require(getattr(par, k) >= 1, f"{name}.parallel.{k}", "an integer >= 1", getattr(par, k))
+    _require(role.micro_batch_size >= 1, f"{name}.micro_batch_size", "an integer >= 1", role.micro_batch_size)
+    _choice(role.dtype, f"{name}.dtype", DTYPES)
+    o = role.optim
+    _require(o.lr >= 0, f"{name}.optim.lr", "a learning rate >= 0", o.lr)
+    _require(0 <= o.min_lr <= max(o.lr, 0), f"{name}.optim.min_lr", f"a value in [0, lr={o.lr}]", o.min_lr)
+    _require(o.weight_decay >= 0, f"{name}.optim.weight_decay", "a value >= 0", o.weight_decay)
+    _require(o.clip_grad >= 0, f"{name}.optim.clip_grad", "a value >= 0 (0 disables clipping)", o.clip_grad)
+    _require(o.warmup_steps >= 0, f"{name}.optim.warmup_steps", "an integer >= 0", o.warmup_steps)
+    _choice(o.lr_decay_style, f"{name}.optim.lr_decay_style", ("constant", "cosine", "linear"))
+    _require(role.resources.num_cpus_per_worker >= 0, f"{name}.resources.num_cpus_per_worker", "a value >= 0",
+             role.resources.num_cpus_per_worker)
+    if shape is None:
+        return
+    src = shape.source
+    if shape.num_heads % par.tp:
+        raise ConfigError(
+            f"{name}.parallel.tp={par.tp} does not divide the {shape.num_heads} attention heads of {src}"
+        )
+    if shape.num_kv_heads % par.tp:
+        raise ConfigError(
+            f"{name}.parallel.tp={par.tp} does not divide the {shape.num_kv_heads} KV groups "
+            f"(num_key_value_heads) of {src}"
+        )
+    if shape.num_layers % par.pp:
+        raise ConfigError(f"{name}.parallel.pp={par.pp} does not divide the {shape.num_layers} layers of {src}")
+
+
+def _check_rl_batches(cfg: RunConfig) -> None:
+    d, r, a = cfg.data, cfg.rollout, cfg.algorithm
+    rollout_batch = d.prompts_per_step * r.n
+    if rollout_batch % a.mini_batches:
+        raise ConfigError(
+            f"algorithm.mini_batches={a.mini_batches} does not divide the rollout batch: rollout batch = "
+            f"prompts x samples per prompt = data.prompts_per_step ({d.prompts_per_step}) x rollout.n ({r.n}) "
+            f"= {rollout_batch}"
+        )
+    mini = rollout_batch // a.mini_batches
+    for name in ("policy", "critic"):
+        role: RoleConfig = getattr(cfg, name)
+        if not role.enabled:
+            continue
+        dp, mb = role.parallel.dp, role.micro_batch_size
+        if mini % (mb * dp):
+            raise ConfigError(
+                f"{name}: the mini-batch of {mini} samples (rollout batch {rollout_batch} / algorithm.mini_batches "
+                f"{a.mini_batches}) is not divisible by micro batch x DP = {name}.micro_batch_size ({mb}) x "
+                f"{name}.parallel.dp ({dp}) = {mb * dp}; global batch = micro batch x gradient accumulation x DP"
+            )
+
+
+def _check_lm_batches(cfg: RunConfig) -> None:
+    p = cfg.policy
+    gbs = cfg.trainer.global_batch_size or p.micro_batch_size * p.parallel.dp
+    if gbs % (p.micro_batch_size * p.parallel.dp):
+        raise ConfigError(
+            f"trainer.global_batch_size={gbs} is not divisible by policy.micro_batch_size ({p.micro_batch_size}) x "
+            f"policy.parallel.dp ({p.parallel.dp}); global batch = micro batch x gradient accumulation x DP"
+        )
+
+
+def validate_config(cfg: RunConfig) -> None:
+    """Raise ConfigError on the first problem found; return None when the config is runnable."""
+    a, r, d, t = cfg.algorithm, cfg.rollout, cfg.data, cfg.trainer
+    _choice(a.name, "algorithm.name", ALGORITHMS)
+    _require(t.total_steps >= 1, "trainer.total_steps", "an integer >= 1", t.total_steps)
+    _require(t.timeout_s > 0, "trainer.timeout_s", "a timeout in seconds > 0", t.timeout_s)
+    _choice(t.resume, "trainer.resume", ("never", "auto"))
+    _require(t.save_every >= 0, "trainer.save_every", "an integer >= 0", t.save_every)
+    _require(t.val_every >= 0, "trainer.val_every", "an integer >= 0", t.val_every)
+    _require(d.seq_length >= 1, "data.seq_length", "an integer >= 1", d.seq_length)
+    shape = model_shape(cfg.model.path, cfg.model.preset)
+    if shape is None:
+        raise ConfigError("model: expected model.path (an HF model folder) or model.preset (a tiny preset name)")
+    roles = ["policy"]
+    if a.name in ("grpo", "ppo"):
+        roles += [n for n in ("reference", "critic", "reward_model") if getattr(cfg, n).enabled]
+    for name in roles:
+        _check_role(name, getattr(cfg, name), shape)
+    if a.name in ("sft", "pretrain"):
+        _require(d.seq_length <= shape.max_positions, "data.seq_length",
+                 f"at most the model's max_position_embeddings ({shape.max_positions})", d.seq_length)
+        _check_lm_batches(cfg)
+        return
+    # RL
+    _require(r.n >= 1, "rollout.n", "an integer >= 1 (samples per prompt)", r.n)
+    _require(r.max_tokens >= 1, "rollout.max_tokens", "an integer >= 1", r.max_tokens)
+    _require(r.temperature >= 0, "rollout.temperature", "a value >= 0", r.temperature)
+    _require(0 < r.top_p <= 1, "rollout.top_p", "a value in (0, 1]", r.top_p)
+    _require(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", "-1 (off) or an integer >= 1", r.top_k)
+    _require(r.kv_cache_gb > 0, "rollout.kv_cache_gb", "a size in GiB > 0", r.kv_cache_gb)
+    _require(r.sync_bucket_mb > 0, "rollout.sync_bucket_mb", "a size in MB > 0", r.sync_bucket_mb)
+    _require(d.prompts_per_step >= 1, "data.prompts_per_step", "an integer >= 1", d.prompts_per_step)
+    _require(0 <= a.clip_low < 1, "algorithm.clip_low", "a value in [0, 1)", a.clip_low)
+    _require(a.clip_high >= 0, "algorithm.clip_high", "a value >= 0", a.clip_high)
+    _require(a.clip_c is None or a.clip_c > 1, "algorithm.clip_c", "null or a value > 1 (dual clip)", a.clip_c)
+    _require(a.kl_coef >= 0, "algorithm.kl_coef", "a value >= 0", a.kl_coef)
+    _require(a.ppo_epochs >= 1, "algorithm.ppo_epochs", "an integer >= 1", a.ppo_epochs)
+    _require(a.mini_batches >= 1, "algorithm.mini_batches", "an integer >= 1", a.mini_batches)
+    _require(0 <= a.gamma <= 1, "algorithm.gamma", "a value in [0, 1]", a.gamma)
+    _require(0 <= a.lam <= 1, "algorithm.lam", "a value in [0, 1]", a.lam)
+    _choice(a.kl_kind, "algorithm.kl_kind", KL_KINDS)
+    _choice(a.kl_ctrl, "algorithm.kl_ctrl", ("fixed", "adaptive"))
+    _choice(a.loss_agg_mode, "algorithm.loss_agg_mode", AGG_MODES)
+    _check_adv_estimator(a.adv_estimator)
+    if a.name == "ppo" and not cfg.critic.enabled:
+        raise ConfigError("critic.enabled: PPO needs a critic; set critic.enabled=true (or use algorithm.name=grpo)")
+    if a.adv_estimator == "gae" and not cfg.critic.enabled:
+        raise ConfigError("algorithm.adv_estimator=gae needs values from a critic; set critic.enabled=true")
+    if not cfg.reward.fn and not cfg.reward.model_path:
+        raise ConfigError("reward: expected reward.fn (a rule name or module:function) or reward.model_path")
+    _check_rl_batches(cfg)
+
+
+def _check_adv_estimator(name: str) -> None:
+    try:
+        from algorithms.advantages import get_advantage_estimator
+    except ImportError:  # algorithms not importable: leave it to the driver
+        return
+    try:
+        get_advantage_estimator(name)
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"algorithm.adv_estimator: {e}") from None

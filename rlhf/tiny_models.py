@@ -1,0 +1,165 @@
+"""Tiny HF models and a locally trained tokenizer, for tests, examples and benchmarks (no hub access).
+
+`create_tiny_model(preset, out_dir)` writes config.json, model.safetensors and a tokenizer with a ChatML
+chat template. The tokenizer is a byte-level BPE trained with `tokenizers` on text that covers the
+example tasks; digits are always split into single characters so arithmetic stays learnable.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlhf.errors import UserError
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+EOS_TOKEN = "<|im_end|>"
+PAD_TOKEN = "<|endoftext|>"
+
+# ChatML. The {% generation %} block marks the assistant tokens that carry the SFT loss
+# (transformers' `return_assistant_tokens_mask=True`).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}"
+    "{{ '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinyPreset:
+    """Architecture of one preset. head_dim is kept >= 32 because vLLM's CPU attention needs it."""
+
+    family: str  # "qwen2" or "llama"
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    tie_embeddings: bool
+    max_position_embeddings: int = 512
+    rope_theta: float = 10000.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+PRESETS: dict[str, TinyPreset] = {
+    "tiny-llama": TinyPreset("llama", 128, 2, 4, 2, 256, 512, tie_embeddings=False),
+    "tiny-qwen2": TinyPreset("qwen2", 128, 2, 4, 2, 256, 512, tie_embeddings=True),
+    # The arithmetic example's policy: ~0.8M parameters (hidden 128, 4 layers, GQA 4/2, tied).
+    "arith-qwen2": TinyPreset("qwen2", 128, 4, 4, 2, 512, 512, tie_embeddings=True),
+    # The ~30M-parameter benchmark model (hidden 512, 8 layers, head_dim 64).
+    "small-qwen2": TinyPreset("qwen2", 512, 8, 8, 4, 1408, 8192, tie_embeddings=True, max_position_embeddings=1024),
+    # ~100M parameters, for conversion and weight-sync benchmarks.
+    "base-qwen2": TinyPreset("qwen2", 768, 12, 12, 4, 2048, 8192, tie_embeddings=False, max_position_embeddings=1024),
+}
+
+
+def _tokenizer_corpus(seed: int = 0) -> list[str]:
+    """Text covering the example tasks: arithmetic Q/A, chat markup and some plain English."""
+    rng = random.Random(seed)
+    words = (
+        "the a an is are was what how many plus minus times answer question user assistant system you i "
+        "to of and in it that for on with as be this by at from or have not but can will one two three "
+        "add sum number numbers result equals please compute think step hello world model train data text"
+    ).split()
+    lines = []
+    for _ in range(3000):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        lines.append(f"What is {a}+{b}? {a + b}")
+        lines.append(f"{a} + {b} = {a + b}. The answer is {a + b}. #### {a + b} \\boxed{{{a + b}}}")
+        lines.append(" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))).capitalize() + ".")
+    lines += ["user", "assistant", "system", "\n", "<think> </think>"] * 50
+    return lines
+
+
+def build_tokenizer(vocab_size: int, model_max_length: int = 512):
+    """Train a byte-level BPE on `_tokenizer_corpus` and wrap it as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_tokenizer_corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=model_max_length,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def hf_config(preset: TinyPreset, tokenizer):
+    """The transformers config of a preset, with the tokenizer's special token ids."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=preset.vocab_size,
+        hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size,
+        num_hidden_layers=preset.num_layers,
+        num_attention_heads=preset.num_heads,
+        num_key_value_heads=preset.num_kv_heads,
+        max_position_embeddings=preset.max_position_embeddings,
+        rms_norm_eps=1e-6,
+        rope_theta=preset.rope_theta,
+        tie_word_embeddings=preset.tie_embeddings,
+        bos_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+        **preset.extra,
+    )
+    if preset.family == "qwen2":
+        return Qwen2Config(**common)
+    if preset.family == "llama":
+        return LlamaConfig(head_dim=preset.head_dim, attention_bias=False, mlp_bias=False, **common)
+    raise UserError(f"unknown model family {preset.family!r}")
+
+
+def get_preset(name: str) -> TinyPreset:
+    if name not in PRESETS:
+        raise UserError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def create_tiny_model(preset_name: str, out_dir: str | Path, seed: int = 0) -> Path:
+    """Write an HF model folder (config, safetensors weights, tokenizer) for `preset_name` into `out_dir`."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    preset = get_preset(preset_name)
+    out = Path(out_dir)
+    tokenizer = build_tokenizer(preset.vocab_size, preset.max_position_embeddings)
+    if len(tokenizer) > preset.vocab_size:
+        raise UserError(f"tokenizer has {len(tokenizer)} tokens, more than the preset's vocab {preset.vocab_size}")
+    config = hf_config(preset, tokenizer)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=config.bos_token_id
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out

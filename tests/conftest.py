@@ -1,0 +1,39 @@
+"""Shared fixtures: offline HF, a GPU marker that skips with the reason, and tiny models built once."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA: no GPU on this machine (GPU-only test)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    """`factory(preset)` -> path of an HF model folder, created once per session and preset."""
+    from rlhf.tiny_models import create_tiny_model
+
+    cache: dict[str, str] = {}
+
+    def factory(preset: str = "tiny-qwen2") -> str:
+        if preset not in cache:
+            cache[preset] = str(create_tiny_model(preset, tmp_path_factory.mktemp(preset)))
+        return cache[preset]
+
+    return factory

@@ -1,0 +1,109 @@
+"""Config loading and validation: every error names the field and what was expected."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhf.config import load_config, save_config
+from rlhf.errors import ConfigError
+
+BASE = ["model.preset=tiny-qwen2"]
+
+
+def err(overrides: list[str], path=None) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(path, BASE + overrides if path is None else overrides)
+    return str(e.value)
+
+
+def test_defaults_and_overrides(tmp_path):
+    cfg = load_config(None, BASE + ["trainer.total_steps=5", "policy.parallel.tp=2", "rollout.stop=[a,b]"])
+    assert cfg.trainer.total_steps == 5 and cfg.policy.parallel.tp == 2 and cfg.rollout.stop == ["a", "b"]
+    save_config(cfg, tmp_path / "resolved.yaml")
+    again = load_config(tmp_path / "resolved.yaml")
+    assert again == cfg
+
+
+def test_yaml_preset_with_overrides(tmp_path):
+    f = tmp_path / "x.yaml"
+    f.write_text("model:\n  preset: tiny-llama\ntrainer:\n  total_steps: 3\n")
+    cfg = load_config(f, ["trainer.total_steps=7"])
+    assert cfg.model.preset == "tiny-llama" and cfg.trainer.total_steps == 7
+
+
+def test_unknown_key_suggests():
+    msg = err(["policy.paralel.tp=2"])
+    assert "policy.paralel" in msg and "did you mean 'policy.parallel'" in msg
+    assert "did you mean 'trainer.total_steps'" in err(["trainer.totl_steps=3"])
+
+
+def test_unknown_key_in_yaml(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("model:\n  preset: tiny-qwen2\nrollout:\n  temprature: 0.5\n")
+    msg = err([], path=f)
+    assert str(f) in msg and "rollout.temprature" in msg and "rollout.temperature" in msg
+
+
+def test_wrong_type():
+    msg = err(["trainer.total_steps=abc"])
+    assert "trainer.total_steps" in msg and "Integer" in msg
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("rollout.top_p=0", ["rollout.top_p", "(0, 1]"]),
+        ("policy.optim.lr=-1", ["policy.optim.lr", ">= 0"]),
+        ("rollout.n=0", ["rollout.n", ">= 1"]),
+        ("algorithm.kl_kind=k9", ["algorithm.kl_kind", "k3"]),
+        ("algorithm.clip_c=0.5", ["algorithm.clip_c", "> 1"]),
+    ],
+)
+def test_out_of_range(override, words):
+    msg = err([override])
+    for w in words:
+        assert w in msg
+
+
+def test_parallel_divisibility():
+    assert "4 attention heads" in err(["policy.parallel.tp=3"])
+    assert "2 KV groups" in err(["policy.parallel.tp=4"])
+    assert "2 layers" in err(["policy.parallel.pp=4"])
+    assert "critic.parallel.pp" in err(["algorithm.name=ppo", "critic.enabled=true", "critic.parallel.pp=3"])
+
+
+def test_batch_arithmetic_explained():
+    msg = err(["data.prompts_per_step=3", "rollout.n=3", "policy.micro_batch_size=2"])
+    assert "micro batch x gradient accumulation x DP" in msg and "= 2" in msg
+    msg = err(["data.prompts_per_step=3", "rollout.n=3", "algorithm.mini_batches=2"])
+    assert "prompts x samples per prompt" in msg and "= 9" in msg
+    msg = err(["algorithm.name=sft", "trainer.global_batch_size=10", "policy.micro_batch_size=4"])
+    assert "trainer.global_batch_size=10" in msg and "micro batch x gradient accumulation x DP" in msg
+
+
+def test_missing_and_garbled_yaml(tmp_path):
+    assert "does not exist" in err([], path=tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  preset: [unclosed\n")
+    msg = err([], path=bad)
+    assert "not valid YAML" in msg and "line" in msg
+
+
+def test_invalid_override_syntax():
+    assert "invalid override 'a.b='" in err(["a.b="])
+    assert "invalid override 'nokey'" in err(["nokey"])
+
+
+def test_model_required_and_checked(tmp_path):
+    with pytest.raises(ConfigError, match="model.path .* or model.preset"):
+        load_config(None, [])
+    with pytest.raises(ConfigError, match="unknown preset"):
+        load_config(None, ["model.preset=huge"])
+    with pytest.raises(ConfigError, match="config.json"):
+        load_config(None, [f"model.path={tmp_path}"])
+
+
+def test_real_model_folder_divisibility(tiny_model_factory):
+    path = tiny_model_factory("tiny-llama")
+    with pytest.raises(ConfigError, match="tp=3 does not divide the 4 attention heads"):
+        load_config(None, [f"model.path={path}", "policy.parallel.tp=3"])

@@ -1,0 +1,256 @@
+"""Build megatron-core GPT models (LM and value-head variants) from a HF Llama / Qwen2 config.
+
+The Transformer Engine vs local layer-spec choice is made in `use_transformer_engine()` only.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from workers.megatron.cpu_compat import causal_mask, cuda_absent
+from workers.megatron.hf_map import family_of
+
+DEFAULT_VOCAB_DIVISOR = 128
+
+
+def use_transformer_engine() -> bool:
+    """True when the TE layer spec is used: Transformer Engine importable and CUDA present."""
+    return not cuda_absent() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def layer_spec(use_te: bool | None = None):
+    """The GPT layer spec: TE (fused layernorm-linear) on GPU with TE, megatron-core local otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_transformer_engine() if use_te is None else use_te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = DEFAULT_VOCAB_DIVISOR) -> int:
+    """Megatron's vocab padding: round up to a multiple of `divisible_by * tp`."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def _get(cfg: Any, name: str, default: Any = None) -> Any:
+    return getattr(cfg, name, default) if not isinstance(cfg, dict) else cfg.get(name, default)
+
+
+def rope_settings(hf_config: Any) -> dict:
+    """RoPE base and scaling from a HF config (transformers 5 `rope_parameters` or legacy fields).
+
+    Returns {'theta', 'type', 'factor', 'low_freq_factor', 'high_freq_factor', 'original_max'}; raises
+    ValueError for scaling types megatron's RotaryEmbedding cannot reproduce.
+    """
+    params = dict(_get(hf_config, "rope_parameters") or {})
+    legacy = _get(hf_config, "rope_scaling") or {}
+    if not params:
+        params = dict(legacy)
+        params.setdefault("rope_theta", _get(hf_config, "rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type not in ("default", "llama3", "linear"):
+        raise ValueError(f"rope type {rope_type!r} is not supported (default, linear, llama3)")
+    return {
+        "theta": float(params.get("rope_theta", _get(hf_config, "rope_theta", 10000.0))),
+        "type": rope_type,
+        "factor": float(params.get("factor", 1.0)),
+        "low_freq_factor": float(params.get("low_freq_factor", 1.0)),
+        "high_freq_factor": float(params.get("high_freq_factor", 4.0)),
+        "original_max": int(params.get("original_max_position_embeddings", 8192)),
+    }
+
+
+def transformer_config_from_hf(
+    hf_config: Any,
+    tp: int = 1,
+    pp: int = 1,
+    dtype: torch.dtype = torch.float32,
+    **overrides: Any,
+):
+    """A megatron `TransformerConfig` equivalent to the HF config (SwiGLU, RMSNorm, GQA, RoPE, no biases
+    except Qwen2's qkv bias). `overrides` set further TransformerConfig fields (e.g. recompute)."""
+    from megatron.core.transformer import TransformerConfig
+
+    fam = family_of(hf_config)
+    heads = _get(hf_config, "num_attention_heads")
+    hidden = _get(hf_config, "hidden_size")
+    head_dim = _get(hf_config, "head_dim") or hidden // heads
+    kwargs = dict(
+        num_layers=_get(hf_config, "num_hidden_layers"),
+        hidden_size=hidden,
+        ffn_hidden_size=_get(hf_config, "intermediate_size"),
+        num_attention_heads=heads,
+        num_query_groups=_get(hf_config, "num_key_value_heads") or heads,
+        kv_channels=head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=_get(hf_config, "rms_norm_eps", 1e-6),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=fam.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        attention_softmax_in_fp32=True,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=cuda_absent(),
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def _stage_flags(pre_process: bool | None, post_process: bool | None) -> tuple[bool, bool]:
+    from megatron.core import parallel_state
+
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage()
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage()
+    return pre_process, post_process
+
+
+def build_gpt_model(
+    hf_config: Any,
+    dtype: torch.dtype = torch.float32,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    value_head: bool = False,
+    vocab_divisible_by: int = DEFAULT_VOCAB_DIVISOR,
+    use_te: bool | None = None,
+    **config_overrides: Any,
+):
+    """Build the local (TP/PP-sharded) megatron `GPTModel` for the current rank from a HF config.
+
+    Needs `init_distributed` first. The vocab is padded Megatron's way; embeddings are tied when the HF
+    config ties them (never for a value head). With `value_head=True` the last stage's output layer is a
+    `ValueHead` (hidden -> 1) and the forward returns values [b, s, 1] instead of logits.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    check_parallel_fit(hf_config, tp, pp)
+    pre_process, post_process = _stage_flags(pre_process, post_process)
+    config = transformer_config_from_hf(hf_config, tp, pp, dtype, **config_overrides)
+    rope = rope_settings(hf_config)
+    tie = bool(_get(hf_config, "tie_word_embeddings", False)) and not value_head
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(use_te),
+        vocab_size=padded_vocab_size(_get(hf_config, "vocab_size"), tp, vocab_divisible_by),
+        max_sequence_length=_get(hf_config, "max_position_embeddings"),
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=tie,
+        position_embedding_type="rope",
+        rotary_base=rope["theta"],
+        rope_scaling=rope["type"] == "llama3",
+        rope_scaling_factor=rope["factor"],
+        seq_len_interpolation_factor=rope["factor"] if rope["type"] == "linear" else None,
+    )
+    if rope["type"] == "llama3":
+        emb = model.rotary_pos_emb
+        base = 1.0 / (rope["theta"] ** (torch.arange(0, emb.inv_freq.numel() * 2, 2, dtype=torch.float32)
+                                          / (emb.inv_freq.numel() * 2)))
+        emb.inv_freq = emb._apply_scaling(
+            base.to(emb.inv_freq.device), rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
+            rope["original_max"],
+        ).to(emb.inv_freq.dtype)
+    if value_head and post_process:
+        model.output_layer = ValueHead(config)
+    return model
+
+
+def check_parallel_fit(hf_config: Any, tp: int, pp: int) -> None:
+    """Raise ValueError naming the field when heads / KV groups do not divide by TP or layers by PP."""
+    heads = _get(hf_config, "num_attention_heads")
+    groups = _get(hf_config, "num_key_value_heads") or heads
+    layers = _get(hf_config, "num_hidden_layers")
+    if heads % tp:
+        raise ValueError(f"num_attention_heads={heads} is not divisible by tensor parallel size {tp}")
+    if groups % tp:
+        raise ValueError(f"num_key_value_heads={groups} is not divisible by tensor parallel size {tp}")
+    if layers % pp:
+        raise ValueError(f"num_hidden_layers={layers} is not divisible by pipeline parallel size {pp}")
+
+
+class ValueHead(torch.nn.Module):
+    """Scalar head replacing GPTModel.output_layer: hidden [s, b, h] -> [s, b, 1], replicated over TP.
+
+    Accepts the output layer's call signature (`weight=`, `runtime_gather_output=`) and returns
+    (output, None) like a ColumnParallelLinear.
+    """
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.sequence_parallel = bool(config.sequence_parallel)
+        self.weight = torch.nn.Parameter(torch.empty(1, config.hidden_size, dtype=config.params_dtype))
+        torch.nn.init.normal_(self.weight, std=1.0 / math.sqrt(config.hidden_size + 1))
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
+        return F.linear(hidden, self.weight), None
+
+
+def position_ids_for(input_ids: torch.Tensor) -> torch.Tensor:
+    """Positions 0..S-1 broadcast to the batch, [b, s]."""
+    b, s = input_ids.shape
+    return torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
+
+
+def forward_logits(model, input_ids: torch.Tensor, gather_tp: bool = True) -> torch.Tensor | None:
+    """Forward-only pass of one batch through the (possibly pipelined) model with the explicit causal
+    mask; collective over the model-parallel group.
+
+    Returns on the last PP stage the logits [b, s, padded_vocab] (gathered over TP when `gather_tp`, or
+    values [b, s, 1] for a value model), None on other stages.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    b, s = input_ids.shape
+    mask = causal_mask(s, device=input_ids.device)
+
+    def step(data_iter, mdl):
+        ids = next(data_iter)
+        out = mdl(input_ids=ids, position_ids=position_ids_for(ids), attention_mask=mask)
+        return out, None
+
+    model.eval()
+    with torch.no_grad():
+        out = get_forward_backward_func()(
+            forward_step_func=step,
+            data_iterator=iter([input_ids]),
+            model=[model],
+            num_microbatches=1,
+            seq_length=s,
+            micro_batch_size=b,
+            forward_only=True,
+        )
+    if not parallel_state.is_pipeline_last_stage():
+        return None
+    logits = out[0]
+    if gather_tp and logits.shape[-1] > 1 and parallel_state.get_tensor_model_parallel_world_size() > 1:
+        logits = gather_from_tensor_model_parallel_region(logits)
+    return logits

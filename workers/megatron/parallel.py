@@ -1,0 +1,71 @@
+"""torch.distributed + megatron-core parallel_state set-up and tear-down (gloo on CPU, nccl on GPU)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+
+from workers.megatron.cpu_compat import apply_cpu_compat, cuda_absent
+
+
+def default_backend() -> str:
+    """The process-group backend for this machine: 'nccl' with CUDA, 'gloo' without (the one CPU/GPU branch)."""
+    return "gloo" if cuda_absent() else "nccl"
+
+
+def init_distributed(
+    rank: int,
+    world_size: int,
+    master_addr: str = "127.0.0.1",
+    master_port: int = 29500,
+    tp: int = 1,
+    pp: int = 1,
+    backend: str | None = None,
+    timeout_s: float = 300.0,
+    seed: int = 1234,
+) -> None:
+    """Initialise torch.distributed and megatron parallel_state (TP, PP given; DP = world / (TP*PP)).
+
+    On CPU applies the compatibility layer first (and enters its device mode in this thread). Seeds the
+    megatron RNG tracker with `model_parallel_cuda_manual_seed(seed)`. Raises ValueError when the world
+    size is not a multiple of tp*pp.
+    """
+    if tp < 1 or pp < 1:
+        raise ValueError(f"tp and pp must be >= 1, got tp={tp} pp={pp}")
+    if world_size % (tp * pp) != 0:
+        raise ValueError(f"world size {world_size} is not divisible by tp*pp = {tp}*{pp}")
+    apply_cpu_compat()
+    from megatron.core import parallel_state, tensor_parallel
+
+    backend = backend or default_backend()
+    if not torch.distributed.is_initialized():
+        if backend == "nccl":
+            local_rank = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
+            torch.cuda.set_device(local_rank)
+        torch.distributed.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        distributed_timeout_minutes=max(1, int(timeout_s // 60)),
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+def destroy_distributed() -> None:
+    """Tear down megatron parallel_state and the default process group (safe to call twice)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

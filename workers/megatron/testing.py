@@ -1,0 +1,109 @@
+"""Launch a function on N local ranks with torch.distributed + megatron parallel_state initialised.
+
+Used by tests, benchmarks and the offline converter: `run_distributed(fn, world_size, tp=, pp=)` spawns
+processes on 127.0.0.1 with a free port, calls `fn(*args)` on every rank after `init_distributed`, and
+returns the per-rank results (index = global rank). `fn` must be importable (module level), and the
+calling script needs an `if __name__ == "__main__":` guard (spawn start method).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class DistributedError(RuntimeError):
+    """A rank raised; the message carries that rank's traceback."""
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    tp: int,
+    pp: int,
+    threads: int,
+    fn: Callable,
+    args: tuple,
+    results: Any,
+) -> None:
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+        from workers.megatron.parallel import destroy_distributed, init_distributed
+
+        init_distributed(rank, world_size, "127.0.0.1", port, tp=tp, pp=pp)
+        try:
+            out = fn(*args)
+        finally:
+            destroy_distributed()
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_distributed(
+    fn: Callable,
+    world_size: int,
+    args: tuple = (),
+    tp: int = 1,
+    pp: int = 1,
+    timeout_s: float = 300.0,
+    threads: int | None = None,
+) -> list[Any]:
+    """Run `fn(*args)` on `world_size` spawned ranks (TP `tp`, PP `pp`, DP the rest); return results by rank.
+
+    Raises DistributedError with the failing rank's traceback if any rank raises, and TimeoutError (after
+    killing the ranks) if they do not all finish within `timeout_s`. Results must be picklable.
+    """
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, tp, pp, threads, fn, args, results), daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    try:
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while len(out) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(out))} did not finish in {timeout_s}s")
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in out]
+                if dead:
+                    raise DistributedError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode}") from None
+                continue
+            if not ok:
+                raise DistributedError(f"rank {rank} failed:\n{value}")
+            out[rank] = value
+        for p in procs:
+            p.join(timeout=30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    return [out[r] for r in range(world_size)]

@@ -1,0 +1,192 @@
+"""`Worker`: the base class of every actor in a `WorkerGroup`.
+
+It knows its role, rank and parallel layout, writes its log to a file the group can tail, joins the
+group's torch.distributed world (`init_distributed`, overridden by the Megatron workers) and then runs
+the subclass's `setup()`. Methods exposed on the group are declared with `workers.dispatch.register`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import logging
+import os
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("workers")
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """What a rank is told at creation."""
+
+    role: str
+    name: str  # e.g. "policy/dp0-tp1-pp0"
+    rank: int
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    log_path: str
+    timeout_s: float = 300.0  # collective timeout
+    backend: str | None = None  # None: gloo without CUDA, nccl with it
+    seed: int = 1234
+    num_threads: int | None = None  # torch intra-op threads (None: leave torch's default)
+
+
+def layout_of(rank: int, tp: int, pp: int, dp: int) -> tuple[int, int, int]:
+    """(dp_rank, tp_rank, pp_rank) of a global rank in megatron-core's default order (tp fastest, pp slowest)."""
+    return (rank // tp) % dp, rank % tp, rank // (tp * dp)
+
+
+class _Tee:
+    """Write to the original stream and to the log file."""
+
+    def __init__(self, stream: Any, file: Any) -> None:
+        self._stream, self._file = stream, file
+
+    def write(self, s: str) -> int:
+        if not s.startswith((":actor_name:", ":task_name:")):
+            self._file.write(s)
+        self._file.flush()
+        return self._stream.write(s)
+
+    def flush(self) -> None:
+        self._file.flush()
+        self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+class Worker:
+    """Base actor. Subclasses override `init_distributed` (world set-up) and `setup` (build models)."""
+
+    def __init__(self, ctx: WorkerContext, **init_kwargs: Any) -> None:
+        self.ctx = ctx
+        self.init_kwargs = init_kwargs
+        self.dp_rank, self.tp_rank, self.pp_rank = layout_of(ctx.rank, ctx.tp, ctx.pp, ctx.dp)
+        self._setup_logging()
+        if ctx.num_threads:
+            import torch
+
+            torch.set_num_threads(ctx.num_threads)
+        log.info("%s started: pid %d on %s", ctx.name, os.getpid(), socket.gethostname())
+
+    def __repr__(self) -> str:  # Ray prefixes this actor's log lines with it
+        return self.ctx.name
+
+    # ---- layout -------------------------------------------------------------------------------
+    @property
+    def is_output_rank(self) -> bool:
+        """The rank whose results a DP_COMPUTE call returns: last PP stage, TP rank 0."""
+        return self.tp_rank == 0 and self.pp_rank == self.ctx.pp - 1
+
+    def rank_info(self) -> dict[str, Any]:
+        """Where this rank runs and what it is (used by the group for dispatch and error messages)."""
+        import ray
+
+        return {
+            "name": self.ctx.name,
+            "rank": self.ctx.rank,
+            "dp_rank": self.dp_rank,
+            "tp_rank": self.tp_rank,
+            "pp_rank": self.pp_rank,
+            "is_output": self.is_output_rank,
+            "node_ip": ray.util.get_node_ip_address(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "pid": os.getpid(),
+            "log_path": self.ctx.log_path,
+        }
+
+    def free_port(self, host: str) -> int:
+        """A free TCP port on `host` (rank 0 picks the rendezvous port)."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            return s.getsockname()[1]
+
+    def ping(self) -> str:
+        return self.ctx.name
+
+    # ---- world --------------------------------------------------------------------------------
+    def init_world(self, master_addr: str, master_port: int) -> dict[str, Any]:
+        """Join the torch.distributed world, then `setup()`; returns `rank_info()` (actual layout)."""
+        t0 = time.monotonic()
+        self._run_method(lambda s: s.init_distributed(master_addr, master_port), (), {})
+        log.info("%s joined the world at %s:%d in %.1fs", self.ctx.name, master_addr, master_port,
+                 time.monotonic() - t0)
+        self._run_method(lambda s: s.setup(), (), {})
+        log.info("%s set up in %.1fs", self.ctx.name, time.monotonic() - t0)
+        return self.rank_info()
+
+    def init_distributed(self, master_addr: str, master_port: int) -> None:
+        """Plain torch.distributed world (no megatron); the Megatron workers override this."""
+        import torch
+
+        backend = self.ctx.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        torch.distributed.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.ctx.rank,
+            world_size=self.ctx.world_size,
+            timeout=datetime.timedelta(seconds=self.ctx.timeout_s),
+        )
+
+    def setup(self) -> None:
+        """Build models etc. from `self.init_kwargs`; runs after the world is up."""
+
+    # ---- running methods ----------------------------------------------------------------------
+    def _run_method(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        """Run `fn(self, *args, **kwargs)` with the per-call context; log the traceback of a failure."""
+        name = getattr(fn, "__name__", "call")
+        t0 = time.monotonic()
+        try:
+            with self.call_context():
+                out = fn(self, *args, **kwargs)
+        except BaseException:
+            log.error("%s.%s failed:\n%s", self.ctx.name, name, traceback.format_exc())
+            raise
+        log.debug("%s.%s took %.3fs", self.ctx.name, name, time.monotonic() - t0)
+        return out
+
+    def call_context(self):
+        """Context entered around every method call (the Megatron workers enter the CPU device mode)."""
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def tail_log(self, lines: int = 30) -> str:
+        return tail_file(self.ctx.log_path, lines)
+
+    def _setup_logging(self) -> None:
+        path = Path(self.ctx.log_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the actor
+        handler = logging.StreamHandler(self._log_file)
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s [{self.ctx.name}] %(name)s: %(message)s"))
+        root = logging.getLogger()
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+        sys.stdout = _Tee(sys.stdout, self._log_file)
+        sys.stderr = _Tee(sys.stderr, self._log_file)
+        faulthandler.enable(file=self._log_file, all_threads=True)
+
+
+def tail_file(path: str | Path, lines: int = 30) -> str:
+    """The last `lines` lines of a text file ('' if it does not exist)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 64 * 1024))
+            data = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(data.splitlines()[-lines:])

@@ -277,6 +277,9 @@ def reinforce_plus_plus(
 
     ``G_t = r_t + gamma * G_t'`` over the mask-1 positions of a row (t' the next one);
     ``A = masked_whiten(G)`` over all mask-1 tokens of the batch; returns = ``G`` (unwhitened).
+    Holes in the mask (e.g. tool-output tokens in a multi-turn response) are skipped, not treated as
+    the end of the sequence: the return flows across them (verl resets it there; with plain right
+    padding the two agree).
     """
     r, m = _check(token_level_rewards, response_mask)
     batch, horizon = r.shape

@@ -266,16 +266,21 @@ def format_reward(
     if mode not in ("search", "match", "fullmatch"):
         raise ValueError(f"unknown format mode {mode!r}; known: search, match, fullmatch")
     rx = pattern if isinstance(pattern, re.Pattern) else re.compile(pattern, flags)
-    matcher = getattr(rx, mode)
+    return RewardFn(_FormatMatch(rx, mode, float(score)), f"format_reward({rx.pattern!r})")
 
-    def _format(prompt: Any, response: Any, ground_truth: Any) -> RewardResult:
+
+@dataclass(frozen=True)
+class _FormatMatch:  # a class rather than a closure, so the reward pickles (multiprocessing pools)
+    rx: re.Pattern[str]
+    mode: str
+    score: float
+
+    def __call__(self, prompt: Any, response: Any, ground_truth: Any) -> RewardResult:
         if not isinstance(response, str) or not response:
             return RewardResult(0.0, "empty response")
-        if matcher(response):
-            return RewardResult(float(score), "format ok")
-        return RewardResult(0.0, f"format mismatch ({rx.pattern[:60]!r})")
-
-    return RewardFn(_format, f"format_reward({rx.pattern!r})")
+        if getattr(self.rx, self.mode)(response):
+            return RewardResult(self.score, "format ok")
+        return RewardResult(0.0, f"format mismatch ({self.rx.pattern[:60]!r})")
 
 
 register_reward("boxed_format")(format_reward(r"\\boxed\{.*\}"))
@@ -295,15 +300,19 @@ def combine_rewards(weights: Mapping[str | Callable[..., Any], float]) -> Reward
     """
     if not weights:
         raise ValueError("combine_rewards needs at least one reward")
-    parts = [(_resolve(k), float(w)) for k, w in weights.items()]
+    parts = tuple((_resolve(k), float(w)) for k, w in weights.items())
+    return RewardFn(_WeightedSum(parts), "combine(" + ", ".join(fn.name for fn, _ in parts) + ")")
 
-    def _combined(prompt: Any, response: Any, ground_truth: Any) -> RewardResult:
+
+@dataclass(frozen=True)
+class _WeightedSum:
+    parts: tuple[tuple[RewardFn, float], ...]
+
+    def __call__(self, prompt: Any, response: Any, ground_truth: Any) -> RewardResult:
         total = 0.0
         reasons = []
-        for fn, w in parts:
+        for fn, w in self.parts:
             res = fn.with_reason(prompt, response, ground_truth)
             total += w * res.score
             reasons.append(f"{fn.name}={res.score:g}*{w:g} ({res.reason})")
         return RewardResult(total, "; ".join(reasons))
-
-    return RewardFn(_combined, "combine(" + ", ".join(fn.name for fn, _ in parts) + ")")

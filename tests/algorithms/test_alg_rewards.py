@@ -185,3 +185,12 @@ def test_registry(monkeypatch):
     with pytest.raises(ValueError, match="already registered"):
         register_reward("length_penalty")(length_penalty)
     assert isinstance(get_reward_fn("length_penalty")(None, "abcd", None), float)
+
+
+def test_builtin_and_factory_rewards_pickle():
+    import pickle
+
+    combo = combine_rewards({"math_exact_match": 1.0, "boxed_format": 0.1, format_reward(r"\d+"): 0.5})
+    for fn in (combo, get_reward_fn("exact_match"), get_reward_fn("think_answer_format")):
+        clone = pickle.loads(pickle.dumps(fn))
+        assert clone(None, "\\boxed{5}", "5") == fn(None, "\\boxed{5}", "5")

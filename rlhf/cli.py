@@ -14,6 +14,10 @@ from rlhf.errors import UserError
 # Command modules, imported lazily so `rlhf --help` stays fast. Add new commands here.
 COMMAND_MODULES = [
     "rlhf.commands.init_model",
+    "rlhf.commands.preprocess",
+    "rlhf.commands.clean",
+    "rlhf.commands.convert",
+    "rlhf.commands.train",
 ]
 
 

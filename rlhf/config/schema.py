@@ -57,6 +57,10 @@ class ModelConfig:
     path: Optional[str] = None  # HF model folder (config.json, safetensors, tokenizer)
     preset: Optional[str] = None  # create this tiny preset under the run dir when path is unset
     tokenizer_path: Optional[str] = None  # defaults to path
+    # Warm start: a short plain SFT of the model on the task's Q/A pairs before RL (0 = none).
+    warm_start_steps: int = 0
+    warm_start_lr: float = 1e-3
+    warm_start_batch: int = 128
 
 
 @dataclass
@@ -82,6 +86,7 @@ class RolloutConfig:
 
 @dataclass
 class DataConfig:
+    task: Optional[str] = None  # "arithmetic": generate the example task's data under the run dir
     train_file: Optional[str] = None  # jsonl or parquet
     val_file: Optional[str] = None  # held-out prompts; or split off the train file by val_size
     val_size: int = 0

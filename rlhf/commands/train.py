@@ -1,0 +1,44 @@
+"""`rlhf train CONFIG [KEY=VALUE ...]`: run a GRPO, PPO, SFT or pretraining config."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train with a YAML config (algorithm.name: grpo | ppo | sft | pretrain)")
+    p.add_argument("config", help="YAML preset, e.g. configs/grpo_tiny.yaml")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=5")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint (trainer.resume=auto)")
+    p.add_argument("--address", help="join this Ray cluster instead of starting a local one (or set RAY_ADDRESS)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rlhf.config import load_config
+    from rlhf.driver.prepare import prepare_inputs
+    from rlhf.errors import UserError
+
+    overrides = list(args.overrides)
+    if args.resume:
+        overrides.append("trainer.resume=auto")
+    if args.address:
+        overrides.append(f"trainer.ray_address={args.address}")
+    cfg = load_config(args.config, overrides)
+    cfg = prepare_inputs(cfg)  # data and model files are checked (or generated) before any worker starts
+    try:
+        from workers.group.errors import WorkerGroupError
+    except ImportError:  # pragma: no cover
+        WorkerGroupError = RuntimeError  # noqa: N806
+    try:
+        if cfg.algorithm.name in ("sft", "pretrain"):
+            from rlhf.driver.lm import run_lm
+
+            run_lm(cfg)
+        else:
+            from rlhf.driver.rl import run_rl
+
+            run_rl(cfg)
+    except WorkerGroupError as e:
+        raise UserError(f"worker failure: {e}") from None
+    return 0

@@ -1,0 +1,44 @@
+"""Turn scored rollouts into training targets: KL (in the reward or as a loss) and advantages by name."""
+
+from __future__ import annotations
+
+import torch
+
+from algorithms import apply_kl_penalty, compute_advantages, kl_estimate, masked_mean
+from rlhf.config.schema import AlgorithmConfig
+from workers.batch import Batch
+
+
+def token_level_scores(batch: Batch) -> torch.Tensor:
+    """Sequence scores placed on the last response token: [B, R]."""
+    mask = batch["response_mask"]
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    last = (mask.sum(-1) - 1).clamp(min=0).long()
+    out[torch.arange(mask.shape[0]), last] = batch["scores"].float()
+    return out * mask
+
+
+def add_advantages(batch: Batch, algo: AlgorithmConfig, kl_coef: float) -> tuple[Batch, dict[str, float]]:
+    """Add `token_level_rewards`, `advantages` and `returns` [B, R] to the batch; return KL metrics."""
+    mask = batch["response_mask"].float()
+    rewards = token_level_scores(batch)
+    metrics: dict[str, float] = {"kl": 0.0}  # no reference: the policy is not regularised towards one
+    if "ref_logprobs" in batch:
+        kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], algo.kl_kind)
+        metrics["kl"] = float(masked_mean(kl, mask))
+        if algo.kl_in_reward and kl_coef > 0:
+            rewards, _ = apply_kl_penalty(rewards, kl, kl_coef, mask)
+    group_ids = torch.as_tensor(batch["group_id"], dtype=torch.long)
+    adv, ret = compute_advantages(
+        algo.adv_estimator,
+        token_level_rewards=rewards,
+        response_mask=mask,
+        values=batch["values"] if "values" in batch else None,
+        group_ids=group_ids,
+        gamma=algo.gamma,
+        lam=algo.lam,
+        norm_by_std=algo.norm_by_std,
+    )
+    batch["token_level_rewards"], batch["advantages"], batch["returns"] = rewards, adv, ret
+    metrics["advantage_abs_mean"] = float(masked_mean(adv.abs(), mask))
+    return batch, metrics

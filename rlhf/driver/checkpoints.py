@@ -1,0 +1,69 @@
+"""Atomic run checkpoints: write into a temporary folder, rename it, then move the `latest` pointer.
+
+Layout under `<output_dir>/checkpoints/`:
+  step-000004/            one finished checkpoint
+    driver_state.json     step, data-loader position, KL controller, driver RNG, metric history keys
+    policy/ critic/ ...   each role's Megatron checkpoint (dist_checkpointing), written by its workers
+  latest                  text file naming the newest finished checkpoint folder
+A crash while saving leaves a `tmp-*` folder that is ignored and removed on the next save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def rng_state() -> dict[str, Any]:
+    """The driver's Python and torch RNG states as JSON-safe values."""
+    py = random.getstate()
+    return {"python": [py[0], list(py[1]), py[2]], "torch": torch.get_rng_state().tolist()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+
+
+class CheckpointManager:
+    def __init__(self, output_dir: str | Path) -> None:
+        self.root = Path(output_dir) / "checkpoints"
+
+    def latest(self) -> Path | None:
+        """The newest finished checkpoint, or None."""
+        pointer = self.root / "latest"
+        if not pointer.is_file():
+            return None
+        path = self.root / pointer.read_text().strip()
+        return path if (path / "driver_state.json").is_file() else None
+
+    def save(self, step: int, driver_state: dict[str, Any], write_roles: Callable[[Path], None]) -> Path:
+        """Write a checkpoint for `step`: `write_roles(tmp_dir)` saves the worker groups into the folder."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        for stale in self.root.glob("tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        name = f"step-{step:06d}"
+        tmp = self.root / f"tmp-{name}"
+        tmp.mkdir()
+        write_roles(tmp)
+        (tmp / "driver_state.json").write_text(json.dumps({"step": step, **driver_state}))
+        final = self.root / name
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        pointer_tmp = self.root / "latest.tmp"
+        pointer_tmp.write_text(name)
+        os.replace(pointer_tmp, self.root / "latest")
+        return final
+
+    @staticmethod
+    def driver_state(path: Path) -> dict[str, Any]:
+        return json.loads((path / "driver_state.json").read_text())

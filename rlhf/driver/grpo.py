@@ -1,0 +1,63 @@
+"""The built-in GRPO step, written with the workflow API. It reads like the algorithm."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf.driver.advantages import add_advantages
+from rlhf.driver.context import StepContext, rollout_metrics
+from rlhf.workflow import Roles, loss_config
+from workers.batch import Batch
+
+
+def informative_groups(batch: Batch) -> Batch:
+    """Dynamic sampling (DAPO): keep only the groups whose rewards are not all equal."""
+    gid = torch.as_tensor(batch["group_id"])
+    scores = batch["scores"].float()
+    keep = torch.zeros(len(batch), dtype=torch.bool)
+    for g in gid.unique():
+        rows = gid == g
+        keep |= rows & (scores[rows].max() > scores[rows].min())
+    return batch.index(keep)
+
+
+def generate_and_score(roles: Roles, ctx: StepContext) -> Batch:
+    """Sample n responses per prompt and score them; with dynamic sampling, refill dropped groups."""
+    cfg = ctx.cfg
+    with ctx.phase("generate"):
+        batch = roles.rollout.generate(ctx.prompts, seed=ctx.sample_seed())
+    with ctx.phase("reward"):
+        batch = roles.reward(batch)
+    if not cfg.algorithm.dynamic_sampling:
+        return batch
+    wanted, kept = len(batch), informative_groups(batch)
+    for _ in range(cfg.algorithm.max_resample_rounds):
+        if len(kept) >= wanted:
+            break
+        with ctx.phase("generate"):
+            extra = roles.rollout.generate(ctx.next_prompts(), seed=ctx.sample_seed())
+        with ctx.phase("reward"):
+            extra = roles.reward(extra)
+        extra["group_id"] = [g + 10**6 * (ctx.resample_round()) for g in extra["group_id"]]
+        kept = Batch.concat([kept, informative_groups(extra)])
+    ctx.metrics["dynamic_sampling/kept_fraction"] = len(kept) / wanted
+    # Train on whole groups only, at most the configured batch size; fall back to the full batch if none survive.
+    return kept.index(slice(0, wanted)) if len(kept) else batch
+
+
+def grpo_step(roles: Roles, ctx: StepContext) -> dict[str, float]:
+    cfg = ctx.cfg
+    batch = generate_and_score(roles, ctx)
+    if roles.reference is not None:
+        with ctx.phase("reference"):
+            batch = roles.reference.logprobs(batch, key="ref_logprobs")
+    with ctx.phase("old_logprobs"):
+        batch = roles.policy.logprobs(batch, key="old_logprobs")
+    with ctx.phase("advantages"):
+        batch, adv_metrics = add_advantages(batch, cfg.algorithm, ctx.kl_ctrl.value)
+    with ctx.phase("train"):
+        train_metrics = roles.policy.train(batch, loss_config(cfg))
+    with ctx.phase("sync"):
+        roles.rollout.sync_weights(roles.policy)
+    ctx.kl_ctrl.update(adv_metrics.get("kl", 0.0), len(batch))
+    return {**rollout_metrics(batch), **adv_metrics, **train_metrics, "kl_coef": ctx.kl_ctrl.value}

@@ -1,0 +1,110 @@
+"""Metric sinks for every stage: metrics.jsonl, TensorBoard, Ray gauges and a console progress bar."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+# Ray gauges exported for the dashboard / Prometheus (keys of the step metrics -> gauge name).
+GAUGE_KEYS = (
+    "reward_mean", "kl", "policy_loss", "entropy", "response_length_mean", "step_time_s", "tokens_per_s",
+    "loss", "lr", "grad_norm",
+)
+BAR_KEYS = ("reward_mean", "val/accuracy", "kl", "loss", "grad_norm", "step_time_s")
+
+
+class PhaseTimer:
+    """Accumulates wall time per phase (`time/<phase>` keys)."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[f"time/{name}"] = self.times.get(f"time/{name}", 0.0) + time.perf_counter() - start
+
+    def pop(self) -> dict[str, float]:
+        out, self.times = self.times, {}
+        return out
+
+
+def _plain(v: Any) -> Any:
+    if hasattr(v, "item") and getattr(v, "numel", lambda: 1)() == 1:
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+class MetricsLogger:
+    """Writes one JSON object per step to `metrics.jsonl` and mirrors scalars to the other sinks."""
+
+    def __init__(self, run_dir: str | Path, total_steps: int, tensorboard: bool = True, progress_bar: bool = True,
+                 start_step: int = 0, prefix: str = "rlhf") -> None:
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+        self._gauges: dict[str, Any] = {}
+        self._prefix = prefix
+        self._bar = None
+        if progress_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc=prefix, file=sys.stderr, dynamic_ncols=True)
+
+    def _gauge(self, key: str, value: float) -> None:
+        try:
+            import ray
+            from ray.util.metrics import Gauge
+
+            if not ray.is_initialized():
+                return
+            if key not in self._gauges:
+                name = f"{self._prefix}_{key}".replace("/", "_").replace("-", "_")
+                self._gauges[key] = Gauge(name, description=f"{self._prefix} {key}")
+            self._gauges[key].set(float(value))
+        except Exception:  # metrics export must never break training
+            pass
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        for k, v in row.items():
+            if k == "step" or not isinstance(v, (int, float)):
+                continue
+            if self._tb is not None:
+                self._tb.add_scalar(k, v, step)
+            if k in GAUGE_KEYS or k.startswith("time/") or k.startswith("val/"):
+                self._gauge(k, v)
+        if self._bar is not None:
+            shown = {k: f"{row[k]:.4g}" for k in BAR_KEYS if isinstance(row.get(k), (int, float))}
+            self._bar.set_postfix(shown, refresh=False)
+            self._bar.n = step
+            self._bar.refresh()
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._bar is not None:
+            self._bar.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []

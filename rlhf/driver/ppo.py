@@ -1,0 +1,30 @@
+"""The built-in PPO step (critic, GAE, KL in the reward), written with the workflow API."""
+
+from __future__ import annotations
+
+from rlhf.driver.advantages import add_advantages
+from rlhf.driver.context import StepContext, rollout_metrics
+from rlhf.driver.grpo import generate_and_score
+from rlhf.workflow import Roles, loss_config
+
+
+def ppo_step(roles: Roles, ctx: StepContext) -> dict[str, float]:
+    cfg = ctx.cfg
+    batch = generate_and_score(roles, ctx)
+    if roles.reference is not None:
+        with ctx.phase("reference"):
+            batch = roles.reference.logprobs(batch, key="ref_logprobs")
+    with ctx.phase("old_logprobs"):
+        batch = roles.policy.logprobs(batch, key="old_logprobs")
+    with ctx.phase("critic"):
+        batch = roles.critic.values(batch)
+    with ctx.phase("advantages"):
+        batch, adv_metrics = add_advantages(batch, cfg.algorithm, ctx.kl_ctrl.value)
+    with ctx.phase("train"):
+        critic_metrics = roles.critic.train(batch, loss_config(cfg))
+        policy_metrics = roles.policy.train(batch, loss_config(cfg))
+    with ctx.phase("sync"):
+        roles.rollout.sync_weights(roles.policy)
+    ctx.kl_ctrl.update(adv_metrics.get("kl", 0.0), len(batch))
+    critic_metrics = {f"critic/{k}": v for k, v in critic_metrics.items()}
+    return {**rollout_metrics(batch), **adv_metrics, **policy_metrics, **critic_metrics, "kl_coef": ctx.kl_ctrl.value}

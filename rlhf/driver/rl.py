@@ -1,0 +1,122 @@
+"""The RL runner: data, roles, validation, checkpoints, metrics and resume around a step function.
+
+`run_rl(cfg, step_fn)` runs any step function written with the workflow API; GRPO and PPO are two of them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from algorithms import make_kl_controller
+from rlhf.config import RunConfig, save_config
+from rlhf.driver.checkpoints import CheckpointManager, rng_state, set_rng_state
+from rlhf.driver.context import StepContext, accuracy
+from rlhf.driver.metrics import MetricsLogger, PhaseTimer
+from rlhf.driver.ray_env import init_ray
+from rlhf.driver.report import write_report
+from rlhf.workflow import Roles
+
+StepFn = Callable[[Roles, StepContext], dict[str, float]]
+
+
+def validate(roles: Roles, prompts: list[dict[str, Any]], batch_size: int = 256) -> dict[str, float]:
+    """Greedy decoding on held-out prompts: mean reward and exact-match accuracy."""
+    scores = []
+    for i in range(0, len(prompts), batch_size):
+        batch = roles.rollout.generate(prompts[i: i + batch_size], n=1, temperature=0.0, seed=0)
+        scores.append(roles.reward(batch)["scores"])
+    s = torch.cat(scores) if scores else torch.zeros(0)
+    return {"val/reward_mean": float(s.mean()) if len(s) else 0.0, "val/accuracy": accuracy(s)}
+
+
+def default_step_fn(cfg: RunConfig) -> StepFn:
+    if cfg.algorithm.name == "ppo":
+        from rlhf.driver.ppo import ppo_step
+
+        return ppo_step
+    from rlhf.driver.grpo import grpo_step
+
+    return grpo_step
+
+
+def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
+    """Train with `step_fn` (GRPO or PPO by default) and return the last metrics row."""
+    from rlhf.data.prompts import PromptLoader, load_prompt_dataset
+
+    step_fn = step_fn or default_step_fn(cfg)
+    out = Path(cfg.trainer.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out / "config.yaml")
+    d = cfg.data
+    train, val = load_prompt_dataset(d.train_file, d.val_file, val_size=d.val_size, prompt_key=d.prompt_key,
+                                     messages_key=d.messages_key, answer_key=d.answer_key, seed=d.seed)
+    loader = PromptLoader(train, d.prompts_per_step, seed=d.seed)
+    a = cfg.algorithm
+    kl_ctrl = make_kl_controller(a.kl_ctrl, a.kl_coef, target=a.kl_target, horizon=a.kl_horizon)
+    ckpt = CheckpointManager(out)
+    torch.manual_seed(cfg.trainer.seed)
+    own_ray = init_ray(cfg.trainer)
+    roles = Roles.create(cfg, out)
+    logger = None
+    last: dict[str, float] = {}
+    try:
+        start = 0
+        resume_from = ckpt.latest() if cfg.trainer.resume == "auto" else None
+        if resume_from is not None:
+            state = ckpt.driver_state(resume_from)
+            roles.policy.load(resume_from / "policy")
+            if roles.critic is not None:
+                roles.critic.load(resume_from / "critic")
+            loader.load_state_dict(state["loader"])
+            kl_ctrl.load_state_dict(state["kl_ctrl"])
+            set_rng_state(state["rng"])
+            start = state["step"]
+            print(f"resumed from {resume_from} at step {start}", flush=True)
+        roles.rollout.sync_weights(roles.policy, verify=cfg.rollout.verify_first_sync)
+        logger = MetricsLogger(out, cfg.trainer.total_steps, tensorboard=cfg.trainer.tensorboard,
+                               progress_bar=cfg.trainer.progress_bar, start_step=start, prefix=a.name)
+        if val and start == 0:
+            logger.log(0, validate(roles, val))
+
+        def save(step: int) -> None:
+            def write_roles(tmp: Path) -> None:
+                roles.policy.save(tmp / "policy")
+                if roles.critic is not None:
+                    roles.critic.save(tmp / "critic")
+
+            state = {"loader": loader.state_dict(), "kl_ctrl": kl_ctrl.state_dict(), "rng": rng_state()}
+            ckpt.save(step, state, write_roles)
+
+        for step in range(start + 1, cfg.trainer.total_steps + 1):
+            t0 = time.perf_counter()
+            ctx = StepContext(cfg, step, loader.next_batch(), kl_ctrl, loader.next_batch, PhaseTimer())
+            metrics = step_fn(roles, ctx)
+            if cfg.rollout.verify_every_sync:
+                roles.rollout.sync_weights(roles.policy, verify=True)
+            metrics.update(ctx.metrics)
+            metrics.update(ctx.timer.pop())
+            metrics["step_time_s"] = time.perf_counter() - t0
+            metrics["tokens_per_s"] = metrics.get("response_tokens", 0.0) / metrics["step_time_s"]
+            if val and (step == cfg.trainer.total_steps or (cfg.trainer.val_every and step % cfg.trainer.val_every == 0)):
+                metrics.update(validate(roles, val))
+            logger.log(step, metrics)
+            last = metrics
+            if step == cfg.trainer.total_steps or (cfg.trainer.save_every and step % cfg.trainer.save_every == 0):
+                save(step)
+        if cfg.trainer.export_hf:
+            roles.policy.export_hf(out / "hf")
+    finally:
+        if logger is not None:
+            logger.close()
+        roles.shutdown()
+        if own_ray:
+            import ray
+
+            ray.shutdown()
+    print(write_report(out, title=f"{a.name} {out.name}"), flush=True)
+    return last

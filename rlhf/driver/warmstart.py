@@ -1,0 +1,85 @@
+"""A small plain-PyTorch SFT loop on an HF model: the warm start of the RL examples.
+
+It trains on (prompt, answer) pairs with the loss on the answer and the end-of-turn token only, and saves
+an HF folder. The full SFT stage on the Megatron backend lives in the SFT driver; this loop exists so a
+policy can be warm-started in seconds inside tests and examples.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+
+def _encode(tok, prompt: str | list, answer: str) -> tuple[list[int], list[int]]:
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    p_ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    if isinstance(p_ids, dict) or hasattr(p_ids, "keys"):
+        p_ids = p_ids["input_ids"]
+    a_ids = tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    return list(p_ids), a_ids
+
+
+def sft_warm_start(model_dir: str | Path, pairs: list[tuple[str | list, str]], out_dir: str | Path,
+                   steps: int = 300, batch_size: int = 128, lr: float = 1e-3, seed: int = 0) -> Path:
+    """Fine-tune `model_dir` on `pairs` for `steps` AdamW steps and save the result to `out_dir`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.train()
+    encoded = [_encode(tok, p, a) for p, a in pairs]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / steps))
+    pad = tok.pad_token_id
+    for _ in range(steps):
+        items = [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)]
+        width = max(len(p) + len(a) for p, a in items)
+        ids = torch.full((batch_size, width), pad, dtype=torch.long)
+        labels = torch.full((batch_size, width), -100, dtype=torch.long)
+        attn = torch.zeros((batch_size, width), dtype=torch.long)
+        for i, (p, a) in enumerate(items):
+            seq = p + a
+            ids[i, : len(seq)] = torch.tensor(seq)
+            labels[i, len(p): len(seq)] = torch.tensor(a)
+            attn[i, : len(seq)] = 1
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out
+
+
+@torch.no_grad()
+def greedy_accuracy(model_dir: str | Path, pairs: list[tuple[str | list, str]], max_new_tokens: int = 8,
+                    reward_fn=None) -> float:
+    """Greedy-decode each prompt with HF `generate` and return the fraction scored 1 by `reward_fn`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from algorithms.rewards import get_reward_fn
+
+    reward_fn = reward_fn or get_reward_fn("exact_match")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = [_encode(tok, p, "")[0] for p, _ in pairs]
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), tok.pad_token_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding for generation
+        ids[i, width - len(p):] = torch.tensor(p)
+        attn[i, width - len(p):] = 1
+    out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=False,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    texts = tok.batch_decode(out[:, width:], skip_special_tokens=True)
+    hits = [float(reward_fn(p, t, a)) for (p, a), t in zip(pairs, texts)]
+    return sum(hits) / max(len(hits), 1)

@@ -1,0 +1,171 @@
+"""The workflow API: declare roles from a config, then write the RL step as plain Python over role handles.
+
+    roles = Roles.create(cfg, run_dir)
+    batch = roles.rollout.generate(prompts)          # n samples per prompt, with sampled logprobs
+    batch = roles.reward(batch)                      # `scores` [B]
+    batch = roles.reference.logprobs(batch)          # `ref_logprobs` [B, R]
+    batch = roles.policy.logprobs(batch)             # `old_logprobs` [B, R]
+    batch, _ = add_advantages(batch, cfg.algorithm, kl_coef)
+    metrics = roles.policy.train(batch)
+    roles.rollout.sync_weights(roles.policy)
+
+Each handle wraps a worker group (or the rollout actor) and keeps the Batch field names in one place.
+The built-in GRPO and PPO steps (`rlhf.driver.grpo`, `rlhf.driver.ppo`) are written with this API.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from rlhf.config.schema import RoleConfig, RunConfig
+from rlhf.driver.rewards import resolve_reward_fn, score_batch
+from workers.batch import Batch
+
+
+def loss_config(cfg: RunConfig) -> dict[str, Any]:
+    """What the policy and critic train steps need from the algorithm section."""
+    a = cfg.algorithm
+    return {
+        "clip_low": a.clip_low, "clip_high": a.clip_high, "clip_c": a.clip_c, "agg_mode": a.loss_agg_mode,
+        "entropy_coef": a.entropy_coef, "kl_coef": 0.0 if a.kl_in_reward else a.kl_coef, "kl_kind": a.kl_kind,
+        "ppo_epochs": a.ppo_epochs, "mini_batches": a.mini_batches, "value_clip": a.value_clip,
+    }
+
+
+def _group(role: str, rc: RoleConfig, cfg: RunConfig, run_dir: Path, worker_cls: type, pool=None, **init: Any):
+    from workers.group import WorkerGroup
+
+    par = rc.parallel
+    return WorkerGroup(
+        role=role, worker_cls=worker_cls, tp=par.tp, pp=par.pp, dp=par.dp,
+        num_cpus_per_worker=rc.resources.num_cpus_per_worker, num_gpus_per_worker=rc.resources.num_gpus_per_worker,
+        timeout_s=cfg.trainer.timeout_s, log_dir=run_dir / "logs", seed=cfg.trainer.seed, resource_pool=pool,
+        init_kwargs={"model_path": rc.model_path or cfg.model.path, "micro_batch_size": rc.micro_batch_size,
+                     "dtype": rc.dtype, "optim": asdict(rc.optim), **init},
+    )
+
+
+class PolicyHandle:
+    """The policy (or reference) worker group."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def logprobs(self, batch: Batch, key: str = "old_logprobs", entropy: bool = False) -> Batch:
+        out = self.group.compute_logprobs(batch.select(["input_ids", "attention_mask", "response_mask"]),
+                                          with_entropy=entropy)
+        batch[key] = out["logprobs"]
+        if entropy:
+            batch["entropy"] = out["entropy"]
+        return batch
+
+    def train(self, batch: Batch, loss: dict[str, Any]) -> dict[str, float]:
+        return self.group.train_step(batch, loss)
+
+    def save(self, path: Path) -> None:
+        self.group.save_checkpoint(str(path))
+
+    def load(self, path: Path, load_optim: bool = True) -> None:
+        self.group.load_checkpoint(str(path), load_optim=load_optim)
+
+    def export_hf(self, path: Path) -> None:
+        self.group.export_hf(str(path))
+
+    def shutdown(self) -> None:
+        self.group.shutdown()
+
+
+class CriticHandle(PolicyHandle):
+    def values(self, batch: Batch) -> Batch:
+        out = self.group.compute_values(batch.select(["input_ids", "attention_mask", "response_mask"]))
+        batch["values"] = out["values"]
+        return batch
+
+
+class RewardHandle:
+    """A rule function (`reward.fn`) or a reward-model group; adds `scores` [B]."""
+
+    def __init__(self, fn_spec: str | None, model_group: Any = None) -> None:
+        self.fn = resolve_reward_fn(fn_spec) if fn_spec else None
+        self.model_group = model_group
+
+    def __call__(self, batch: Batch) -> Batch:
+        if self.model_group is not None:
+            batch["scores"] = self.model_group.compute_scores(batch.select(["input_ids", "attention_mask"]))["scores"]
+        else:
+            gts = batch["ground_truth"] if "ground_truth" in batch else [None] * len(batch)
+            batch["scores"] = score_batch(self.fn, batch["prompt"], batch["response_text"], gts)
+        return batch
+
+
+class RolloutHandle:
+    """The vLLM rollout actor."""
+
+    def __init__(self, actor: Any, sampling: Any, timeout_s: float) -> None:
+        self.actor, self.sampling, self.timeout_s = actor, sampling, timeout_s
+
+    def generate(self, prompts: list[dict[str, Any]], **sampling: Any) -> Batch:
+        import ray
+
+        params = self.sampling.with_(**sampling) if sampling else self.sampling
+        return ray.get(self.actor.generate.remote(prompts, params), timeout=self.timeout_s)
+
+    def sync_weights(self, policy: PolicyHandle, verify: bool = False) -> dict[str, float]:
+        from workers.rollout import sync_weights
+
+        return sync_weights(self.actor, policy.group, verify=verify, timeout_s=self.timeout_s)
+
+    def shutdown(self) -> None:
+        import ray
+
+        ray.kill(self.actor)
+
+
+@dataclass
+class Roles:
+    policy: PolicyHandle
+    rollout: RolloutHandle
+    reward: RewardHandle
+    reference: PolicyHandle | None = None
+    critic: CriticHandle | None = None
+
+    @classmethod
+    def create(cls, cfg: RunConfig, run_dir: str | Path) -> Roles:
+        """Start every enabled role of `cfg` (Ray must be initialised)."""
+        from workers.roles import CriticWorker, PolicyWorker, ReferenceWorker, RewardModelWorker
+        from workers.rollout import EngineConfig, SamplingConfig, create_rollout_actor
+
+        run_dir = Path(run_dir)
+        reward = RewardHandle(cfg.reward.fn)  # resolve before any worker starts
+        policy = PolicyHandle(_group("policy", cfg.policy, cfg, run_dir, PolicyWorker))
+        handles: dict[str, Any] = {"policy": policy}
+        try:
+            if cfg.algorithm.kl_coef > 0 and cfg.reference.enabled:
+                handles["reference"] = PolicyHandle(_group("reference", cfg.reference, cfg, run_dir, ReferenceWorker))
+            if cfg.critic.enabled:
+                handles["critic"] = CriticHandle(_group("critic", cfg.critic, cfg, run_dir, CriticWorker))
+            if cfg.reward.model_path:
+                rm_cfg = cfg.reward_model
+                rm_cfg.model_path = cfg.reward.model_path
+                reward = RewardHandle(None, _group("reward_model", rm_cfg, cfg, run_dir, RewardModelWorker))
+            engine = EngineConfig.from_config(cfg.rollout, model_path=cfg.model.path,
+                                              tokenizer_path=cfg.model.tokenizer_path)
+            actor = create_rollout_actor(engine, name="rollout/engine0")
+            handles["rollout"] = RolloutHandle(actor, SamplingConfig.from_config(cfg.rollout), cfg.trainer.timeout_s)
+        except BaseException:
+            for h in handles.values():
+                h.shutdown()
+            raise
+        return cls(reward=reward, **handles)
+
+    def all(self) -> list[Any]:
+        return [h for h in (self.policy, self.reference, self.critic, self.rollout) if h is not None]
+
+    def shutdown(self) -> None:
+        for h in self.all():
+            try:
+                h.shutdown()
+            except Exception:
+                pass

@@ -1,12 +1,35 @@
 """HF <-> megatron-core name and layout map for the dense Llama and Qwen2 families (defined once).
 
-Placeholder for Part 2; the family table lives here so the model provider and converters share it.
+Used by the offline converter and the live weight sync (`workers/megatron/hf_weights.py`).
+
+Layouts (megatron-core GPTModel, local or TE layer spec):
+- `linear_qkv.weight` fuses q, k, v per query group: for each of the `ng` KV groups, the group's
+  `nq/ng` query heads, then its key head, then its value head (rows of `head_dim`). TP splits whole
+  groups: TP rank r holds groups [r*ng/tp, (r+1)*ng/tp), i.e. a contiguous chunk along dim 0. Same for
+  the Qwen2 qkv bias.
+- `linear_fc1.weight` fuses gate and up; TP rank r holds [gate rows of r; up rows of r] (each split
+  along dim 0 separately), so the full fused tensor is not a plain concatenation of the shards.
+- Column-parallel (`linear_qkv`, `linear_fc1`): dim 0; row-parallel (`linear_proj`, `linear_fc2`): dim 1.
+- Embedding and untied output layer: vocab-parallel along dim 0 over the vocab padded Megatron's way
+  (zero rows added on load, removed on export).
+- Layer norms: local spec `input_layernorm` / `pre_mlp_layernorm`; TE spec fuses them into
+  `self_attention.linear_qkv.layer_norm_weight` / `mlp.linear_fc1.layer_norm_weight`. A rule lists both
+  names and binds to whichever the live model has (checkpoints use the TE key in both specs).
+- PP: each stage holds a contiguous range of layers, numbered locally in parameter names; the global
+  index is `layer.layer_number - 1`. The embedding lives on the first stage, final norm and output
+  layer on the last. With tied embeddings and PP > 1 the last stage keeps a copy of the embedding as
+  `output_layer.weight` (an alias of `model.embed_tokens.weight`: filled on load, not exported).
+- Value head (`ValueHead`, hidden -> 1): `output_layer.weight` <-> HF `score.weight` (as in
+  *ForSequenceClassification with one label), replicated over TP.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -40,3 +63,249 @@ def family_of(hf_config: Any) -> Family:
     if act != "silu":
         raise ValueError(f"hidden_act={act!r} is not supported (silu)")
     return FAMILIES[model_type]
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Sizes from the HF config that the layouts need."""
+
+    hidden: int
+    heads: int
+    groups: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    layers: int
+    tied: bool
+    qkv_bias: bool
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> Dims:
+        fam = family_of(hf_config)
+        hidden, heads = _get(hf_config, "hidden_size"), _get(hf_config, "num_attention_heads")
+        for field in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size", "num_hidden_layers"):
+            value = _get(hf_config, field)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"config field {field} must be a positive integer, got {value!r}")
+        return cls(
+            hidden=hidden,
+            heads=heads,
+            groups=_get(hf_config, "num_key_value_heads") or heads,
+            head_dim=_get(hf_config, "head_dim") or hidden // heads,
+            ffn=_get(hf_config, "intermediate_size"),
+            vocab=_get(hf_config, "vocab_size"),
+            layers=_get(hf_config, "num_hidden_layers"),
+            tied=bool(_get(hf_config, "tie_word_embeddings", False)),
+            qkv_bias=fam.qkv_bias,
+        )
+
+
+# Layouts ("kind") of a megatron tensor relative to its HF tensors.
+REPLICATED, COLUMN, ROW, VOCAB, QKV, FC1 = "replicated", "column", "row", "vocab", "qkv", "fc1"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One megatron parameter <-> its HF tensor(s). Names under `decoder.layers.{i}.` use `{L}` in `hf`."""
+
+    mcore: tuple[str, ...]  # candidate megatron names (local spec first, then TE); the model has one
+    hf: tuple[str, ...]
+    kind: str
+
+
+_LAYER_RULES: tuple[Rule, ...] = (
+    Rule(("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
+         ("model.layers.{L}.input_layernorm.weight",), REPLICATED),
+    Rule(("self_attention.linear_qkv.weight",),
+         ("model.layers.{L}.self_attn.q_proj.weight", "model.layers.{L}.self_attn.k_proj.weight",
+          "model.layers.{L}.self_attn.v_proj.weight"), QKV),
+    Rule(("self_attention.linear_qkv.bias",),
+         ("model.layers.{L}.self_attn.q_proj.bias", "model.layers.{L}.self_attn.k_proj.bias",
+          "model.layers.{L}.self_attn.v_proj.bias"), QKV),
+    Rule(("self_attention.linear_proj.weight",), ("model.layers.{L}.self_attn.o_proj.weight",), ROW),
+    Rule(("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
+         ("model.layers.{L}.post_attention_layernorm.weight",), REPLICATED),
+    Rule(("mlp.linear_fc1.weight",),
+         ("model.layers.{L}.mlp.gate_proj.weight", "model.layers.{L}.mlp.up_proj.weight"), FC1),
+    Rule(("mlp.linear_fc2.weight",), ("model.layers.{L}.mlp.down_proj.weight",), ROW),
+)
+EMBEDDING = Rule(("embedding.word_embeddings.weight",), ("model.embed_tokens.weight",), VOCAB)
+FINAL_NORM = Rule(("decoder.final_layernorm.weight",), ("model.norm.weight",), REPLICATED)
+OUTPUT = Rule(("output_layer.weight",), ("lm_head.weight",), VOCAB)
+TIED_OUTPUT = Rule(("output_layer.weight",), ("model.embed_tokens.weight",), VOCAB)
+VALUE_OUTPUT = Rule(("output_layer.weight",), ("score.weight",), REPLICATED)
+
+
+def expected_hf_shapes(hf_config: Any, value_head: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor a full model of this config has, with its shape (the global, pre-TP view)."""
+    d = Dims.from_hf(hf_config)
+    q, kv = d.heads * d.head_dim, d.groups * d.head_dim
+    layer = {
+        "input_layernorm.weight": (d.hidden,),
+        "self_attn.q_proj.weight": (q, d.hidden),
+        "self_attn.k_proj.weight": (kv, d.hidden),
+        "self_attn.v_proj.weight": (kv, d.hidden),
+        "self_attn.o_proj.weight": (d.hidden, q),
+        "post_attention_layernorm.weight": (d.hidden,),
+        "mlp.gate_proj.weight": (d.ffn, d.hidden),
+        "mlp.up_proj.weight": (d.ffn, d.hidden),
+        "mlp.down_proj.weight": (d.hidden, d.ffn),
+    }
+    if d.qkv_bias:
+        layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (d.vocab, d.hidden)}
+    for i in range(d.layers):
+        shapes.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
+    shapes["model.norm.weight"] = (d.hidden,)
+    if value_head:
+        shapes["score.weight"] = (1, d.hidden)
+    elif not d.tied:
+        shapes["lm_head.weight"] = (d.vocab, d.hidden)
+    return shapes
+
+
+def check_hf_tensors(hf_config: Any, shapes: dict[str, tuple[int, ...]], value_head: bool = False) -> None:
+    """Check a HF checkpoint's tensor names and shapes against its config: every expected tensor present
+    with the right shape, none extra. Raises ValueError naming the tensor (and the config fields)."""
+    expected = expected_hf_shapes(hf_config, value_head)
+    missing = [n for n in expected if n not in shapes]
+    if missing:
+        raise ValueError(f"missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    extra = sorted(n for n in shapes if n not in expected)
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        hint = " (the config ties the embeddings)" if extra[0] == "lm_head.weight" else ""
+        raise ValueError(f"unexpected tensor {extra[0]}{hint}{more}: not part of the model described by the config")
+    for name, shape in expected.items():
+        if tuple(shapes[name]) != tuple(shape):
+            raise ValueError(
+                f"tensor {name} has shape {list(shapes[name])} but the config (hidden_size, num_attention_heads, "
+                f"num_key_value_heads, head_dim, intermediate_size, vocab_size) implies {list(shape)}"
+            )
+
+
+# --------------------------------------------------------------------------------------- binding
+
+
+@dataclass(frozen=True)
+class Binding:
+    """A live megatron parameter bound to its rule, with HF names resolved to global layer indices."""
+
+    mcore_name: str
+    param: torch.nn.Parameter
+    hf_names: tuple[str, ...]
+    kind: str
+    alias: bool = False  # tied output layer on the last PP stage: filled on load, never exported
+
+
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def bind(model: torch.nn.Module, hf_config: Any) -> list[Binding]:
+    """Bind every parameter of the local (TP/PP-sharded) GPTModel to its HF tensors.
+
+    Raises ValueError naming the parameter when one has no rule (so every parameter gets filled).
+    """
+    d = Dims.from_hf(hf_config)
+    from workers.megatron.model_provider import ValueHead
+
+    is_value = isinstance(getattr(model, "output_layer", None), ValueHead)
+    out: list[Binding] = []
+    for name, param in model.named_parameters():
+        m = _LAYER_RE.match(name)
+        if m:
+            local, suffix = int(m.group(1)), m.group(2)
+            global_idx = model.decoder.layers[local].layer_number - 1
+            rule = next((r for r in _LAYER_RULES if suffix in r.mcore), None)
+            if rule is None:
+                raise ValueError(f"megatron parameter {name} has no HF mapping")
+            hf = tuple(h.format(L=global_idx) for h in rule.hf)
+            out.append(Binding(name, param, hf, rule.kind))
+            continue
+        if name in EMBEDDING.mcore:
+            rule, alias = EMBEDDING, False
+        elif name in FINAL_NORM.mcore:
+            rule, alias = FINAL_NORM, False
+        elif name in OUTPUT.mcore:
+            if is_value:
+                rule, alias = VALUE_OUTPUT, False
+            elif d.tied:
+                rule, alias = TIED_OUTPUT, True
+            else:
+                rule, alias = OUTPUT, False
+        else:
+            raise ValueError(f"megatron parameter {name} has no HF mapping")
+        out.append(Binding(name, param, rule.hf, rule.kind, alias))
+    return out
+
+
+# --------------------------------------------------------------------------------------- layouts
+
+
+def _qkv_split_sizes(d: Dims) -> tuple[int, int]:
+    return d.heads // d.groups * d.head_dim, d.head_dim
+
+
+def qkv_to_mcore(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d: Dims, tp_rank: int = 0, tp: int = 1):
+    """Interleave HF q/k/v (weights [out, in] or biases [out]) into this TP rank's `linear_qkv` shard."""
+    qg, hd = _qkv_split_sizes(d)
+    g0, g1 = tp_rank * d.groups // tp, (tp_rank + 1) * d.groups // tp
+    tail = q.shape[1:]
+    qs = q.reshape(d.groups, qg, *tail)[g0:g1]
+    ks = k.reshape(d.groups, hd, *tail)[g0:g1]
+    vs = v.reshape(d.groups, hd, *tail)[g0:g1]
+    return torch.cat([qs, ks, vs], dim=1).reshape(-1, *tail)
+
+
+def qkv_to_hf(full: torch.Tensor, d: Dims) -> list[torch.Tensor]:
+    """Split the full (all TP shards concatenated) `linear_qkv` tensor back into HF q, k, v."""
+    qg, hd = _qkv_split_sizes(d)
+    tail = full.shape[1:]
+    grouped = full.reshape(d.groups, qg + 2 * hd, *tail)
+    q, k, v = torch.split(grouped, [qg, hd, hd], dim=1)
+    return [t.reshape(-1, *tail).contiguous() for t in (q, k, v)]
+
+
+def to_mcore_shard(kind: str, hf: list[torch.Tensor], d: Dims, tp_rank: int, tp: int, padded_vocab: int):
+    """The TP rank's megatron shard of one parameter from its full HF tensor(s)."""
+    if kind == REPLICATED:
+        return hf[0]
+    if kind == COLUMN:
+        return hf[0].chunk(tp, dim=0)[tp_rank]
+    if kind == ROW:
+        return hf[0].chunk(tp, dim=1)[tp_rank]
+    if kind == VOCAB:
+        per = padded_vocab // tp
+        lo, hi = tp_rank * per, (tp_rank + 1) * per
+        src = hf[0]
+        shard = src.new_zeros((per, *src.shape[1:]))
+        if lo < src.shape[0]:
+            shard[: min(hi, src.shape[0]) - lo] = src[lo:hi]
+        return shard
+    if kind == QKV:
+        return qkv_to_mcore(hf[0], hf[1], hf[2], d, tp_rank, tp)
+    if kind == FC1:
+        return torch.cat([hf[0].chunk(tp, dim=0)[tp_rank], hf[1].chunk(tp, dim=0)[tp_rank]], dim=0)
+    raise ValueError(f"unknown layout {kind!r}")
+
+
+def tp_concat_dim(kind: str) -> int | None:
+    """The dim along which TP shards of this layout are concatenated (None: replicated)."""
+    return {REPLICATED: None, COLUMN: 0, ROW: 1, VOCAB: 0, QKV: 0, FC1: 0}[kind]
+
+
+def to_hf(kind: str, shards: list[torch.Tensor], d: Dims) -> list[torch.Tensor]:
+    """Full HF tensor(s) from all TP shards (index = TP rank) of one megatron parameter."""
+    if kind == REPLICATED:
+        return [shards[0]]
+    if kind in (COLUMN, ROW):
+        return [torch.cat(shards, dim=tp_concat_dim(kind))]
+    if kind == VOCAB:
+        return [torch.cat(shards, dim=0)[: d.vocab].contiguous()]
+    if kind == QKV:
+        return qkv_to_hf(torch.cat(shards, dim=0), d)
+    if kind == FC1:
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
+    raise ValueError(f"unknown layout {kind!r}")
+

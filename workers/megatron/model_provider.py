@@ -132,6 +132,7 @@ def build_gpt_model(
     post_process: bool | None = None,
     value_head: bool = False,
     vocab_divisible_by: int = DEFAULT_VOCAB_DIVISOR,
+    padded_vocab: int | None = None,
     use_te: bool | None = None,
     **config_overrides: Any,
 ):
@@ -150,11 +151,16 @@ def build_gpt_model(
     pre_process, post_process = _stage_flags(pre_process, post_process)
     config = transformer_config_from_hf(hf_config, tp, pp, dtype, **config_overrides)
     rope = rope_settings(hf_config)
+    vocab = _get(hf_config, "vocab_size")
+    if padded_vocab is None:
+        padded_vocab = padded_vocab_size(vocab, tp, vocab_divisible_by)
+    elif padded_vocab < vocab or padded_vocab % tp:
+        raise ValueError(f"padded vocab {padded_vocab} must be >= vocab_size {vocab} and divisible by TP {tp}")
     tie = bool(_get(hf_config, "tie_word_embeddings", False)) and not value_head
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(use_te),
-        vocab_size=padded_vocab_size(_get(hf_config, "vocab_size"), tp, vocab_divisible_by),
+        vocab_size=padded_vocab,
         max_sequence_length=_get(hf_config, "max_position_embeddings"),
         pre_process=pre_process,
         post_process=post_process,
@@ -179,14 +185,17 @@ def build_gpt_model(
 
 
 def check_parallel_fit(hf_config: Any, tp: int, pp: int) -> None:
-    """Raise ValueError naming the field when heads / KV groups do not divide by TP or layers by PP."""
+    """Raise ValueError naming the field when heads, KV groups or FFN size do not divide by TP or layers by PP."""
     heads = _get(hf_config, "num_attention_heads")
     groups = _get(hf_config, "num_key_value_heads") or heads
     layers = _get(hf_config, "num_hidden_layers")
+    ffn = _get(hf_config, "intermediate_size")
     if heads % tp:
         raise ValueError(f"num_attention_heads={heads} is not divisible by tensor parallel size {tp}")
     if groups % tp:
         raise ValueError(f"num_key_value_heads={groups} is not divisible by tensor parallel size {tp}")
+    if ffn % tp:
+        raise ValueError(f"intermediate_size={ffn} is not divisible by tensor parallel size {tp}")
     if layers % pp:
         raise ValueError(f"num_hidden_layers={layers} is not divisible by pipeline parallel size {pp}")
 

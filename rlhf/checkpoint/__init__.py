@@ -1,0 +1,1 @@
+"""Checkpoint tools: HF <-> megatron-core conversion (`rlhf convert`)."""

@@ -1,0 +1,159 @@
+"""Offline HF <-> megatron-core conversion for dense Llama / Qwen2 (validation, spawning, file layout).
+
+Both directions validate everything before writing, spawn TP*PP gloo ranks on 127.0.0.1 (each holds
+only its shard; tensors are streamed one at a time) and raise UserError for bad input. Scripts calling
+these need an `if __name__ == "__main__":` guard (spawned processes, dist_checkpointing's writer).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from rlhf.errors import UserError
+from rlhf.paths import prepare_output_dir
+
+# Files of a HF model folder that are not weights (copied alongside converted weights).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
+_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _copy_non_weight_files(src: Path, dst: Path) -> list[str]:
+    copied = []
+    for f in sorted(src.iterdir()):
+        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name not in _WEIGHT_INDEXES:
+            shutil.copy2(f, dst / f.name)
+            copied.append(f.name)
+    return copied
+
+
+def _load_config(folder: Path):
+    from transformers import AutoConfig
+
+    if not (folder / "config.json").is_file():
+        raise UserError(f"{folder} has no config.json")
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except Exception as e:  # noqa: BLE001 - any parse failure is a bad input folder
+        raise UserError(f"cannot read {folder / 'config.json'}: {e}") from e
+
+
+def validate_hf(hf_dir: str | Path, tp: int, pp: int, dtype: str = "auto"):
+    """Check a HF folder for conversion at TP `tp`, PP `pp`; return (config, dtype name). Raises UserError
+    naming the tensor or config field: family, heads / KV groups / FFN divisible by TP, layers by PP,
+    every expected tensor present exactly once with the config's shape, none extra, one dtype."""
+    from workers.megatron.hf_map import check_hf_tensors, family_of
+    from workers.megatron.hf_weights import HFTensorSource
+    from workers.megatron.model_provider import check_parallel_fit
+
+    folder = Path(hf_dir)
+    if not folder.is_dir():
+        raise UserError(f"HF model folder {folder} does not exist")
+    if tp < 1 or pp < 1:
+        raise UserError(f"--tp and --pp must be >= 1 (got tp={tp}, pp={pp})")
+    if dtype != "auto" and dtype not in _DTYPES:
+        raise UserError(f"--dtype must be auto or one of {', '.join(_DTYPES)}")
+    cfg = _load_config(folder)
+    try:
+        family_of(cfg)
+        check_parallel_fit(cfg, tp, pp)
+        with HFTensorSource(folder) as src:
+            check_hf_tensors(cfg, src.shapes())
+            dtypes = src.dtypes()
+    except ValueError as e:
+        raise UserError(f"{folder}: {e}") from e
+    names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+    first = dtypes["model.embed_tokens.weight"]
+    if dtype == "auto":
+        odd = next((n for n, t in sorted(dtypes.items()) if t != first), None)
+        if odd is not None:
+            raise UserError(f"{folder}: tensor {odd} is {dtypes[odd]} but model.embed_tokens.weight is {first}; "
+                            "pass --dtype to convert all tensors to one dtype")
+        if first not in names:
+            raise UserError(f"{folder}: unsupported weight dtype {first} (F32, BF16, F16)")
+        dtype = names[first]
+    return cfg, dtype
+
+
+def hf_to_mcore(
+    hf_dir: str | Path,
+    out_dir: str | Path,
+    tp: int = 1,
+    pp: int = 1,
+    force: bool = False,
+    dtype: str = "auto",
+    timeout_s: float = 1800.0,
+) -> Path:
+    """Convert a HF folder into a converted megatron checkpoint folder (see workers.megatron.mcore_checkpoint)."""
+    from rlhf.checkpoint.rank_fns import hf_to_mcore_rank
+    from workers.megatron.mcore_checkpoint import HF_SUBDIR, CheckpointMeta, write_meta
+    from workers.megatron.model_provider import DEFAULT_VOCAB_DIVISOR, padded_vocab_size
+    from workers.megatron.testing import run_distributed
+
+    cfg, dtype = validate_hf(hf_dir, tp, pp, dtype)
+    out = prepare_output_dir(out_dir, force)
+    padded = padded_vocab_size(cfg.vocab_size, tp, DEFAULT_VOCAB_DIVISOR)
+    run_distributed(hf_to_mcore_rank, tp * pp, args=(str(hf_dir), str(out), dtype, padded), tp=tp, pp=pp,
+                    timeout_s=timeout_s)
+    (out / HF_SUBDIR).mkdir()
+    _copy_non_weight_files(Path(hf_dir), out / HF_SUBDIR)
+    meta = CheckpointMeta(
+        family=cfg.model_type, tp=tp, pp=pp, vocab_size=cfg.vocab_size, padded_vocab_size=padded,
+        vocab_divisible_by=DEFAULT_VOCAB_DIVISOR, dtype=dtype, tied=bool(cfg.tie_word_embeddings),
+    )
+    write_meta(out, meta)
+    return out
+
+
+def validate_mcore(mcore_dir: str | Path, tp: int, pp: int):
+    """Check a converted checkpoint folder can be exported at TP `tp`, PP `pp`; return its metadata."""
+    from workers.megatron.mcore_checkpoint import HF_SUBDIR, MODEL_SUBDIR, read_meta
+    from workers.megatron.model_provider import check_parallel_fit
+
+    folder = Path(mcore_dir)
+    if not folder.is_dir():
+        raise UserError(f"megatron checkpoint folder {folder} does not exist")
+    try:
+        meta = read_meta(folder)
+    except ValueError as e:
+        raise UserError(str(e)) from e
+    if not (folder / MODEL_SUBDIR / "metadata.json").is_file():
+        raise UserError(f"{folder / MODEL_SUBDIR} is not a dist_checkpointing checkpoint (metadata.json missing)")
+    cfg = _load_config(folder / HF_SUBDIR)
+    try:
+        check_parallel_fit(cfg, tp, pp)
+    except ValueError as e:
+        raise UserError(str(e)) from e
+    if meta.padded_vocab_size % tp:
+        raise UserError(f"padded vocab {meta.padded_vocab_size} of the checkpoint is not divisible by --tp {tp}")
+    return meta
+
+
+def mcore_to_hf(
+    mcore_dir: str | Path,
+    out_dir: str | Path,
+    force: bool = False,
+    tp: int = 1,
+    pp: int = 1,
+    timeout_s: float = 1800.0,
+) -> Path:
+    """Export a converted megatron checkpoint to a HF folder (safetensors, config.json, tokenizer files).
+
+    The checkpoint is loaded at TP `tp` / PP `pp` (any layout works: dist_checkpointing reshards); each
+    pipeline stage streams its tensors into its own safetensors file (plus an index when pp > 1).
+    """
+    from rlhf.checkpoint.rank_fns import mcore_to_hf_rank
+    from workers.megatron.hf_weights import write_hf_index
+    from workers.megatron.mcore_checkpoint import HF_SUBDIR
+    from workers.megatron.testing import run_distributed
+
+    validate_mcore(mcore_dir, tp, pp)
+    out = prepare_output_dir(out_dir, force)
+    results = run_distributed(mcore_to_hf_rank, tp * pp, args=(str(mcore_dir), str(out)), tp=tp, pp=pp,
+                              timeout_s=timeout_s)
+    files = {fname: names for r in results if r is not None for fname, names in [r]}
+    if len(files) > 1:
+        write_hf_index(out, files)
+    _copy_non_weight_files(Path(mcore_dir) / HF_SUBDIR, out)
+    return out

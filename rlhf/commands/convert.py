@@ -1,0 +1,50 @@
+"""`rlhf convert`: HF <-> megatron-core checkpoint conversion (dense Llama / Qwen2)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("convert", help="convert checkpoints between HF and megatron-core (dist_checkpointing)")
+    conv = p.add_subparsers(dest="direction", metavar="DIRECTION")
+    conv.required = True
+
+    h2m = conv.add_parser("hf-to-mcore", help="HF folder -> megatron-core dist_checkpointing folder")
+    h2m.add_argument("--hf", required=True, help="HF model folder (config.json, *.safetensors, tokenizer)")
+    h2m.add_argument("--out", required=True, help="output folder")
+    h2m.add_argument("--tp", type=int, default=1, help="tensor parallel size of the converting ranks")
+    h2m.add_argument("--pp", type=int, default=1, help="pipeline parallel size of the converting ranks")
+    h2m.add_argument("--dtype", default="auto", help="auto (the weights' dtype), float32, bfloat16, float16")
+    h2m.add_argument("--force", action="store_true", help="overwrite a non-empty output folder")
+    h2m.set_defaults(func=run_hf_to_mcore)
+
+    m2h = conv.add_parser("mcore-to-hf", help="megatron-core folder (from hf-to-mcore) -> HF folder")
+    m2h.add_argument("--mcore", required=True, help="converted megatron checkpoint folder")
+    m2h.add_argument("--out", required=True, help="output HF folder")
+    m2h.add_argument("--tp", type=int, default=1, help="tensor parallel size to load the checkpoint at")
+    m2h.add_argument("--pp", type=int, default=1, help="pipeline parallel size to load at (one file per stage)")
+    m2h.add_argument("--force", action="store_true", help="overwrite a non-empty output folder")
+    m2h.set_defaults(func=run_mcore_to_hf)
+
+
+def run_hf_to_mcore(args: argparse.Namespace) -> int:
+    import time
+
+    from rlhf.checkpoint.convert import hf_to_mcore
+
+    t0 = time.monotonic()
+    out = hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, force=args.force, dtype=args.dtype)
+    print(f"wrote megatron checkpoint (tp={args.tp}, pp={args.pp}) to {out} in {time.monotonic() - t0:.1f}s")
+    return 0
+
+
+def run_mcore_to_hf(args: argparse.Namespace) -> int:
+    import time
+
+    from rlhf.checkpoint.convert import mcore_to_hf
+
+    t0 = time.monotonic()
+    out = mcore_to_hf(args.mcore, args.out, force=args.force, tp=args.tp, pp=args.pp)
+    print(f"wrote HF model to {out} in {time.monotonic() - t0:.1f}s")
+    return 0

@@ -1,0 +1,71 @@
+"""Rank functions for the conversion tests (module level so spawned ranks can import them)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _hf_logits(hf_dir: str, ids: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def _loss(logits: torch.Tensor, ids: torch.Tensor, vocab: int) -> float:
+    logits = logits[..., :vocab].float()
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1)).item()
+
+
+def _batch(vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(7))
+
+
+def parity_and_reshard(hf_dirs: list[str], mcore_dirs: dict[str, str]) -> dict:
+    """For each HF folder: load its weights into the megatron model of this world (TP/PP), compare the
+    logits with transformers, and check that `iter_hf_weights` gives back the source tensors bit-exactly.
+    For each `mcore_dirs[hf_dir]` (a converted checkpoint): load it with dist_checkpointing at this
+    world's layout and return the loss. Returns per-rank results for the parent to assert on."""
+    from megatron.core import parallel_state
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from workers.megatron.hf_weights import is_hf_weight_source, iter_hf_weights, load_hf_weights
+    from workers.megatron.mcore_checkpoint import load_model, read_meta
+    from workers.megatron.model_provider import build_gpt_model, forward_logits
+
+    out: dict = {"tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+                 "pp_rank": parallel_state.get_pipeline_model_parallel_rank(), "models": {}}
+    for hf_dir in hf_dirs:
+        cfg = AutoConfig.from_pretrained(hf_dir)
+        res: dict = {}
+        model = build_gpt_model(cfg)
+        res["filled"] = len(load_hf_weights(model, hf_dir, cfg))
+        res["n_params"] = len(list(model.parameters()))
+        ids = _batch(cfg.vocab_size)
+        logits = forward_logits(model, ids)
+        ref = None
+        if logits is not None:
+            ref = _hf_logits(hf_dir, ids)
+            res["padded_vocab"] = logits.shape[-1]
+            res["max_abs_diff"] = (logits[..., : cfg.vocab_size] - ref).abs().max().item()
+            res["hf_loss"] = _loss(ref, ids, cfg.vocab_size)
+        source = load_file(f"{hf_dir}/model.safetensors")
+        names, mismatched = [], []
+        for name, tensor in iter_hf_weights(model, cfg):
+            names.append(name)
+            if not (tensor.dtype == source[name].dtype and torch.equal(tensor, source[name])):
+                mismatched.append(name)
+        res["yielded"] = names if is_hf_weight_source() else []
+        res["mismatched"] = mismatched
+        if hf_dir in mcore_dirs:
+            meta = read_meta(mcore_dirs[hf_dir])
+            model2 = build_gpt_model(cfg, padded_vocab=meta.padded_vocab_size, perform_initialization=False)
+            load_model(model2, mcore_dirs[hf_dir])
+            logits2 = forward_logits(model2, ids)
+            if logits2 is not None:
+                res["ckpt_loss"] = _loss(logits2, ids, cfg.vocab_size)
+        out["models"][hf_dir] = res
+    return out

@@ -1,0 +1,172 @@
+"""Move weights between a live (TP/PP-sharded) megatron GPTModel and HF-named full tensors.
+
+- `load_hf_weights(model, source, hf_config)`: fill this rank's shards from HF tensors, read one at a
+  time (safetensors via `safe_open`, or an in-memory state dict). Not collective.
+- `iter_hf_weights(model, hf_config)`: yield (hf_name, full tensor). Collective over the TP group (one
+  all-gather per parameter): every rank of the TP group must iterate to the end, in step.
+  What each rank yields: the full HF tensors of ITS OWN pipeline stage (global layer indices; the
+  embedding on the first stage, `model.norm` and `lm_head` / `score` on the last), identical on all
+  ranks of a TP group and on all DP replicas. Consumers usually keep the output of the ranks where
+  `is_hf_weight_source()` holds (tp rank 0, dp rank 0: one per PP stage); together these cover every
+  HF tensor exactly once. Vocab padding is removed; a tied output layer is not yielded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workers.megatron.hf_map import Dims, bind, check_hf_tensors, to_hf, to_mcore_shard, tp_concat_dim
+
+
+class HFTensorSource:
+    """HF tensors read one at a time from a folder of safetensors files (lazily, with `safe_open`) or
+    from an in-memory mapping name -> tensor."""
+
+    def __init__(self, source: str | Path | Mapping[str, torch.Tensor]) -> None:
+        self._stack = contextlib.ExitStack()
+        self._mapping: Mapping[str, torch.Tensor] | None = None
+        self._handles: dict[str, Any] = {}
+        if isinstance(source, Mapping):
+            self._mapping = source
+            return
+        from safetensors import safe_open
+
+        folder = Path(source)
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"no *.safetensors files in {folder}")
+        for f in files:
+            handle = self._stack.enter_context(safe_open(str(f), framework="pt"))
+            for name in handle.keys():
+                if name in self._handles:
+                    raise ValueError(f"tensor {name} appears in more than one safetensors file ({f.name})")
+                self._handles[name] = handle
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every tensor, without reading data."""
+        if self._mapping is not None:
+            return {k: tuple(v.shape) for k, v in self._mapping.items()}
+        return {k: tuple(h.get_slice(k).get_shape()) for k, h in self._handles.items()}
+
+    def dtypes(self) -> dict[str, str]:
+        """Name -> dtype name ('F32', 'BF16', ...) in safetensors notation."""
+        if self._mapping is not None:
+            return {k: str(v.dtype) for k, v in self._mapping.items()}
+        return {k: h.get_slice(k).get_dtype() for k, h in self._handles.items()}
+
+    def get(self, name: str) -> torch.Tensor:
+        """The full tensor `name` (a fresh copy for safetensors)."""
+        if self._mapping is not None:
+            return self._mapping[name]
+        return self._handles[name].get_tensor(name)
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> HFTensorSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _tp() -> tuple[int, int, Any]:
+    from megatron.core import parallel_state
+
+    return (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_tensor_model_parallel_group(),
+    )
+
+
+def _is_value_model(model: torch.nn.Module) -> bool:
+    from workers.megatron.model_provider import ValueHead
+
+    return isinstance(getattr(model, "output_layer", None), ValueHead)
+
+
+def load_hf_weights(
+    model: torch.nn.Module,
+    source: str | Path | Mapping[str, torch.Tensor] | HFTensorSource,
+    hf_config: Any,
+    check: bool = True,
+) -> list[str]:
+    """Fill the current TP/PP rank's shard of every parameter of `model` from HF tensors.
+
+    `source` is a HF model folder (safetensors), a state dict, or an `HFTensorSource`. With `check`,
+    first verifies the source against the config (every tensor present once with the right shape, none
+    extra). Raises ValueError naming the tensor or parameter on any mismatch. Returns the megatron
+    parameter names filled (all of them).
+    """
+    src = source if isinstance(source, HFTensorSource) else HFTensorSource(source)
+    try:
+        if check:
+            check_hf_tensors(hf_config, src.shapes(), value_head=_is_value_model(model))
+        d = Dims.from_hf(hf_config)
+        tp_rank, tp, _ = _tp()
+        filled = []
+        for b in bind(model, hf_config):
+            hf = [src.get(n) for n in b.hf_names]
+            padded = b.param.shape[0] * tp
+            shard = to_mcore_shard(b.kind, hf, d, tp_rank, tp, padded)
+            if tuple(shard.shape) != tuple(b.param.shape):
+                raise ValueError(
+                    f"megatron parameter {b.mcore_name} has shape {list(b.param.shape)} but HF "
+                    f"{', '.join(b.hf_names)} give {list(shard.shape)} on tp rank {tp_rank}"
+                )
+            with torch.no_grad():
+                b.param.copy_(shard)
+            filled.append(b.mcore_name)
+            del hf, shard
+        return filled
+    finally:
+        if src is not source:
+            src.close()
+
+
+def iter_hf_weights(
+    model: torch.nn.Module, hf_config: Any, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (hf_name, full tensor) for this rank's pipeline stage, gathering TP shards (collective over
+    the TP group; see the module docstring for which ranks yield what). `dtype` casts the output."""
+    d = Dims.from_hf(hf_config)
+    _, tp, group = _tp()
+    for b in bind(model, hf_config):
+        if b.alias:
+            continue
+        local = b.param.detach()
+        if tp > 1 and tp_concat_dim(b.kind) is not None:
+            shards = [torch.empty_like(local) for _ in range(tp)]
+            torch.distributed.all_gather(shards, local.contiguous(), group=group)
+        else:
+            shards = [local]
+        for name, tensor in zip(b.hf_names, to_hf(b.kind, shards, d)):
+            yield name, tensor if dtype is None else tensor.to(dtype)
+
+
+def is_hf_weight_source() -> bool:
+    """True on the ranks whose `iter_hf_weights` output a consumer should keep: tp rank 0 and dp rank 0
+    (one rank per pipeline stage)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0
+
+
+def hf_index(files: Mapping[str, list[str]]) -> dict:
+    """A `model.safetensors.index.json` body mapping each tensor name to its file."""
+    weight_map = {name: fname for fname, names in files.items() for name in names}
+    return {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
+
+
+def write_hf_index(folder: str | Path, files: Mapping[str, list[str]]) -> Path:
+    """Write `model.safetensors.index.json` into `folder`."""
+    path = Path(folder) / "model.safetensors.index.json"
+    path.write_text(json.dumps(hf_index(files), indent=2) + "\n")
+    return path

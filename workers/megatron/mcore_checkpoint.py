@@ -1,0 +1,104 @@
+"""Converted megatron-core checkpoints: dist_checkpointing (torch_dist) model weights plus metadata.
+
+Folder layout written by `rlhf convert hf-to-mcore`:
+    rlhf_mcore.json   metadata (family, tp, pp, vocab and padded vocab, dtype, tied); written last
+    hf/               the HF config.json, generation_config.json and tokenizer files
+    model/            dist_checkpointing checkpoint of `model.sharded_state_dict()` (loadable at any TP/PP)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+META_FILE = "rlhf_mcore.json"
+HF_SUBDIR = "hf"
+MODEL_SUBDIR = "model"
+FORMAT = "rlhf-mcore-v1"
+
+_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class CheckpointMeta:
+    """What is needed to rebuild the model and convert back to HF."""
+
+    family: str
+    tp: int
+    pp: int
+    vocab_size: int
+    padded_vocab_size: int
+    vocab_divisible_by: int
+    dtype: str
+    tied: bool
+    format: str = FORMAT
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPE_NAMES[self.dtype]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'float32' / 'bfloat16' / 'float16' for a torch dtype (ValueError otherwise)."""
+    for name, value in _DTYPE_NAMES.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"unsupported parameter dtype {dtype} (float32, bfloat16, float16)")
+
+
+def write_meta(ckpt_dir: str | Path, meta: CheckpointMeta) -> Path:
+    """Write the metadata file (do this last: its presence marks a complete conversion)."""
+    path = Path(ckpt_dir) / META_FILE
+    path.write_text(json.dumps(asdict(meta), indent=2) + "\n")
+    return path
+
+
+def read_meta(ckpt_dir: str | Path) -> CheckpointMeta:
+    """Read the metadata; ValueError naming the file when it is missing or malformed."""
+    path = Path(ckpt_dir) / META_FILE
+    if not path.is_file():
+        raise ValueError(f"{ckpt_dir} is not a converted megatron checkpoint: {META_FILE} is missing")
+    try:
+        raw = json.loads(path.read_text())
+        meta = CheckpointMeta(**raw)
+    except (json.JSONDecodeError, TypeError) as e:
+        raise ValueError(f"{path} is malformed: {e}") from e
+    if meta.format != FORMAT:
+        raise ValueError(f"{path}: unknown format {meta.format!r} (expected {FORMAT})")
+    return meta
+
+
+def load_hf_config(ckpt_dir: str | Path):
+    """The HF config stored with a converted checkpoint."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(Path(ckpt_dir) / HF_SUBDIR)
+
+
+def save_model(model: torch.nn.Module, ckpt_dir: str | Path) -> None:
+    """Collective over all ranks: save `model.sharded_state_dict()` with dist_checkpointing (torch_dist).
+
+    `ckpt_dir/model` is created by rank 0; the caller's script needs a `__main__` guard.
+    """
+    from megatron.core import dist_checkpointing
+
+    target = Path(ckpt_dir) / MODEL_SUBDIR
+    if torch.distributed.get_rank() == 0:
+        target.mkdir(parents=True, exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(model.sharded_state_dict(), str(target))
+
+
+def load_model(model: torch.nn.Module, ckpt_dir: str | Path) -> None:
+    """Collective: load a converted checkpoint into `model` at the current TP/PP (resharding as needed)."""
+    from megatron.core import dist_checkpointing
+
+    target = Path(ckpt_dir) / MODEL_SUBDIR
+    if not (target / "metadata.json").is_file():
+        raise ValueError(f"{target} is not a dist_checkpointing checkpoint (metadata.json missing)")
+    with torch.no_grad():
+        state = dist_checkpointing.load(model.sharded_state_dict(), str(target))
+        model.load_state_dict(state, strict=True)

@@ -1,0 +1,95 @@
+"""The tiny arithmetic example task: "What is a+b?" for a, b in 0..99; the answer is the number a+b.
+
+The reward is exact match of the number (`algorithms.rewards.exact_match`, which takes a boxed, `####` or
+last number from the response), so the SFT target is just the number. Files written by
+`write_arithmetic_data(out_dir)`:
+- `rl_train.jsonl`, `rl_val.jsonl`: `{"prompt", "messages", "answer"}` (raw prompt and the same question as
+  chat messages; pick one with `prompt_key` / `messages_key` in `load_prompt_dataset`);
+- `sft_train.jsonl`, `sft_val.jsonl`: `{"messages": [user, assistant]}`;
+- `pretrain.jsonl`: `{"text": "What is a+b? c"}` for the train pairs.
+Validation pairs (held out with the seed) never appear in the train, SFT-train or pretraining files.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterable
+from pathlib import Path
+
+from rlhf.errors import UserError
+
+MAX_OPERAND = 99
+
+Pair = tuple[int, int]
+
+
+def all_pairs(max_operand: int = MAX_OPERAND) -> list[Pair]:
+    """Every (a, b) with 0 <= a, b <= max_operand."""
+    return [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+
+
+def split_pairs(
+    seed: int = 0, val_size: int = 200, max_operand: int = MAX_OPERAND
+) -> tuple[list[Pair], list[Pair]]:
+    """(train, val): all pairs shuffled with `seed`, the first `val_size` held out."""
+    pairs = all_pairs(max_operand)
+    if not 0 <= val_size < len(pairs):
+        raise UserError(f"val_size must be in [0, {len(pairs)}), got {val_size}")
+    random.Random(seed).shuffle(pairs)
+    return pairs[val_size:], pairs[:val_size]
+
+
+def question(a: int, b: int) -> str:
+    return f"What is {a}+{b}?"
+
+
+def answer(a: int, b: int) -> str:
+    return str(a + b)
+
+
+def rl_record(a: int, b: int) -> dict:
+    q = question(a, b)
+    return {"prompt": q, "messages": [{"role": "user", "content": q}], "answer": answer(a, b)}
+
+
+def sft_record(a: int, b: int) -> dict:
+    return {
+        "messages": [
+            {"role": "user", "content": question(a, b)},
+            {"role": "assistant", "content": answer(a, b)},
+        ]
+    }
+
+
+def pretrain_record(a: int, b: int) -> dict:
+    return {"text": f"{question(a, b)} {answer(a, b)}"}
+
+
+def write_jsonl(path: str | Path, records: Iterable[dict]) -> int:
+    """Write records one per line; return how many."""
+    n = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec) + "\n")
+            n += 1
+    return n
+
+
+def write_arithmetic_data(out_dir: str | Path, seed: int = 0, val_size: int = 200) -> dict[str, Path]:
+    """Write the five files listed in the module docstring into `out_dir`; return name -> path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    train, val = split_pairs(seed, val_size)
+    files = {
+        "rl_train": (train, rl_record),
+        "rl_val": (val, rl_record),
+        "sft_train": (train, sft_record),
+        "sft_val": (val, sft_record),
+        "pretrain": (train, pretrain_record),
+    }
+    paths = {}
+    for name, (pairs, make) in files.items():
+        paths[name] = out / f"{name}.jsonl"
+        write_jsonl(paths[name], (make(a, b) for a, b in pairs))
+    return paths

@@ -1,0 +1,223 @@
+"""SFT data: assistant-only loss mask, truncation, packing (same per-sample loss through a real model),
+collation, pre-built indexed sets and bad input."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from rlhf.data.chat import tokenize_conversation
+from rlhf.data.packing import block_causal_mask, pack_lengths
+from rlhf.data.sft import SFTDataset, collate_sft
+from rlhf.data.sft_indexed import preprocess_sft
+from rlhf.errors import UserError
+from tests.data.conftest import write_lines
+
+CONVERSATIONS = [
+    {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "What is 2+3?"},
+            {"role": "assistant", "content": "5"},
+        ]
+    },
+    {
+        "conversations": [
+            {"from": "human", "value": "What is 10+7?"},
+            {"from": "gpt", "value": "The answer is 17"},
+            {"from": "human", "value": "and 1+1?"},
+            {"from": "gpt", "value": "2"},
+        ]
+    },
+    {
+        "system": "You add numbers.",
+        "conversations": [{"from": "human", "value": "What is 40+2?"}, {"from": "gpt", "value": "42"}],
+    },
+    {
+        "messages": [
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "hello world, this is the model"},
+        ]
+    },
+    {
+        "messages": [
+            {"role": "user", "content": "What is 99+99? Please think step by step."},
+            {"role": "assistant", "content": "99 plus 99 is 198. The answer is 198."},
+        ]
+    },
+    {"messages": [{"role": "user", "content": "one"}, {"role": "assistant", "content": "two three"}]},
+]
+
+
+def _assistant_turns(record: dict) -> list[str]:
+    turns = record.get("messages") or record["conversations"]
+    return [
+        t.get("content", t.get("value"))
+        for t in turns
+        if t.get("role", t.get("from")) in ("assistant", "gpt")
+    ]
+
+
+@pytest.fixture
+def sft_file(tmp_path):
+    return write_lines(tmp_path / "sft.jsonl", CONVERSATIONS)
+
+
+def test_loss_mask_is_exactly_the_assistant_tokens(sft_file, tok_dir, tokenizer):
+    ds = SFTDataset(sft_file, tok_dir, seq_length=128)
+    assert len(ds) == len(CONVERSATIONS) and ds.num_skipped == 0
+    for i, record in enumerate(CONVERSATIONS):
+        item = ds[i]
+        trained = item["labels"][item["loss_mask"] == 1].tolist()
+        expected = []
+        for content in _assistant_turns(record):
+            expected += tokenizer(content)["input_ids"] + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+        assert trained == expected, tokenizer.decode(trained)
+        # and nothing else: every unmasked label is outside the assistant spans
+        assert item["loss_mask"].sum() == len(expected)
+        assert torch.equal(item["tokens"][1:], item["labels"][:-1])
+        assert item["position_ids"].tolist() == list(range(item["tokens"].numel()))
+
+
+def test_mask_without_generation_markers_matches(tokenizer):
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = tokenizer.chat_template.replace("{% generation %}", "").replace(
+        "{% endgeneration %}", ""
+    )
+    for record in CONVERSATIONS:
+        turns = record.get("messages") or [
+            {"role": {"human": "user", "gpt": "assistant"}[t["from"]], "content": t["value"]}
+            for t in record["conversations"]
+        ]
+        assert tokenize_conversation(plain, turns) == tokenize_conversation(tokenizer, turns)
+
+
+def test_truncation_and_skipping(sft_file, tok_dir):
+    with pytest.warns(
+        UserWarning, match="skipped 3 conversations with no assistant token within seq_length 20"
+    ):
+        ds = SFTDataset(sft_file, tok_dir, seq_length=20)
+    assert all(ds[i]["tokens"].numel() <= 20 for i in range(len(ds)))
+    assert ds.num_skipped >= 1 and len(ds) + ds.num_skipped == len(CONVERSATIONS)
+    assert all(ds[i]["loss_mask"].sum() > 0 for i in range(len(ds)))
+
+
+def _per_sample_losses(model, batch) -> list[float]:
+    """Sum of the masked token losses of each packed segment, from one forward with the 4D mask."""
+    mask = torch.zeros(batch["attention_mask"].shape, dtype=torch.float32)
+    mask[batch["attention_mask"]] = torch.finfo(torch.float32).min
+    with torch.no_grad():
+        logits = model(
+            input_ids=batch["tokens"], attention_mask=mask, position_ids=batch["position_ids"]
+        ).logits
+    tok_loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["labels"], reduction="none")
+    tok_loss = (tok_loss * batch["loss_mask"]).flatten()
+    cu = batch["cu_seqlens"].tolist()
+    return [float(tok_loss[a:b].sum()) for a, b in zip(cu[:-1], cu[1:])]
+
+
+def test_packing_keeps_each_sample_loss(sft_file, tok_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tok_dir, dtype=torch.float32).eval()
+    unpacked = SFTDataset(sft_file, tok_dir, seq_length=96)
+    packed = SFTDataset(sft_file, tok_dir, seq_length=96, pack=True)
+    assert len(packed) < len(unpacked) and sum(len(r) for r in packed.rows) == len(unpacked)
+    reference = []
+    for i in range(len(unpacked)):
+        item = unpacked[i]
+        with torch.no_grad():
+            logits = model(input_ids=item["tokens"][None]).logits[0]
+        loss = torch.nn.functional.cross_entropy(logits, item["labels"], reduction="none")
+        reference.append(float((loss * item["loss_mask"]).sum()))
+    batch = packed.collate([packed[j] for j in range(len(packed))])
+    assert batch["attention_mask"].shape == (len(packed), 1, 96, 96)
+    losses = _per_sample_losses(model, batch)
+    got = {}
+    k = 0
+    for row in packed.rows:
+        for i in row:
+            got[i] = losses[k]
+            k += 1
+        k += 1 if sum(packed.lengths[i] for i in row) < 96 else 0  # the padding segment
+    assert min(reference) > 1.0  # real, non-trivial losses
+    for i, ref in enumerate(reference):
+        assert got[i] == pytest.approx(ref, rel=1e-5, abs=1e-5), i
+    # control: with a plain causal mask the later samples of a row see earlier ones, and losses change
+    causal = dict(
+        batch,
+        attention_mask=~torch.ones(96, 96, dtype=torch.bool)
+        .tril()[None, None]
+        .expand(len(packed), 1, 96, 96),
+    )
+    assert max(abs(a - b) for a, b in zip(_per_sample_losses(model, causal), losses)) > 1e-3
+
+
+def test_collate_shapes_and_cu_seqlens(sft_file, tok_dir):
+    ds = SFTDataset(sft_file, tok_dir, seq_length=64)
+    batch = collate_sft([ds[0], ds[1]], ds.pad_id)
+    S = max(ds.lengths[0], ds.lengths[1])
+    assert batch["tokens"].shape == batch["labels"].shape == batch["position_ids"].shape == (2, S)
+    assert batch["loss_mask"].dtype == torch.float32 and batch["tokens"].dtype == torch.long
+    assert batch["attention_mask"].shape == (1, 1, S, S) and batch["attention_mask"].dtype == torch.bool
+    assert batch["attention_mask"][0, 0, 0, 1] and not batch["attention_mask"][0, 0, 1, 0]
+    n0, n1 = ds.lengths[0], ds.lengths[1]
+    assert n0 < n1 == S
+    assert batch["cu_seqlens"].tolist() == [0, n0, S, 2 * S] and batch["cu_seqlens"].dtype == torch.int32
+    assert batch["max_seqlen"] == S
+    assert batch["position_ids"][0].tolist() == list(range(n0)) + list(range(S - n0))
+    assert batch["loss_mask"][0, n0:].sum() == 0 and (batch["tokens"][0, n0:] == ds.pad_id).all()
+    fixed = ds.collate([ds[0]])
+    assert fixed["tokens"].shape == (1, 64)
+
+
+def test_packing_helpers():
+    lengths = [5, 9, 3, 7, 1, 10, 4]
+    bins = pack_lengths(lengths, 10)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= 10 for b in bins) and len(bins) == 4
+    m = block_causal_mask([[2, 3]], 6)[0, 0]
+    allowed = ~m
+    assert allowed[1, 0] and not allowed[2, 1] and allowed[4, 2] and not allowed[2, 3] and allowed[5, 5]
+    assert not allowed[5, 4]  # the padding position is its own block
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_prebuilt_indexed_set_matches_jsonl(sft_file, tok_dir, tmp_path, workers):
+    bad = write_lines(
+        tmp_path / "mixed.jsonl", [*CONVERSATIONS[:3], "oops", {"messages": []}, *CONVERSATIONS[3:]]
+    )
+    prefix, stats = preprocess_sft(
+        bad, tmp_path / "sft", tok_dir, seq_length=96, workers=workers, progress=False
+    )
+    assert stats.docs == len(CONVERSATIONS) and stats.malformed == 2
+    from_jsonl = SFTDataset(sft_file, tok_dir, seq_length=96)
+    indexed = SFTDataset(prefix, tok_dir, seq_length=96, pack=True)
+    flat = SFTDataset(prefix, tok_dir, seq_length=96)
+    for i in range(len(from_jsonl)):
+        for key in ("tokens", "labels", "loss_mask", "position_ids"):
+            assert torch.equal(flat[i][key], from_jsonl[i][key])
+    assert len(indexed) < len(flat)
+    with pytest.warns(UserWarning, match="skipped"):
+        shorter = SFTDataset(prefix, tok_dir, seq_length=20)
+        assert shorter.num_skipped == SFTDataset(sft_file, tok_dir, seq_length=20).num_skipped == 3
+
+
+def test_bad_sft_input(tmp_path, tok_dir):
+    f = write_lines(tmp_path / "bad.jsonl", [CONVERSATIONS[0], "{broken"])
+    with pytest.raises(UserError, match=rf"{f}:2: not valid JSON"):
+        SFTDataset(f, tok_dir, 64)
+    f = write_lines(tmp_path / "role.jsonl", [{"conversations": [{"from": "robot", "value": "x"}]}])
+    with pytest.raises(UserError, match=rf"{f}:1: turn 0 has role 'robot'"):
+        SFTDataset(f, tok_dir, 64)
+    f = write_lines(tmp_path / "noassistant.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    with pytest.raises(UserError, match="no assistant turn"):
+        SFTDataset(f, tok_dir, 64)
+    with pytest.raises(UserError, match="does not exist"):
+        SFTDataset(tmp_path / "none.jsonl", tok_dir, 64)
+    with pytest.raises(UserError, match="tokenizer folder"):
+        SFTDataset(f, tmp_path / "no_tok", 64)
+    with pytest.raises(UserError, match="seq_length"):
+        SFTDataset(f, tok_dir, 0)

@@ -28,6 +28,7 @@ from workers.dispatch import (
     ONE_TO_ALL,
     DispatchSpec,
     collect_dp,
+    collect_one_to_all,
     get_spec,
     split_dp_args,
 )
@@ -217,7 +218,7 @@ class WorkerGroup:
         if spec.mode == ONE_TO_ALL:
             a, kw = [_put(x) for x in args], {k: _put(v) for k, v in kwargs.items()}
             refs = [getattr(actor, method).remote(*a, **kw) for actor in self._actors]
-            return GroupFuture(self, what, refs, ranks, (lambda r: r[0]) if spec.collect == "rank0" else list)
+            return GroupFuture(self, what, refs, ranks, lambda r: collect_one_to_all(r, spec.collect))
         if spec.mode == ALL_TO_ALL:
             for x in list(args) + list(kwargs.values()):
                 if not isinstance(x, Sequence) or len(x) != self.world_size:
@@ -226,7 +227,7 @@ class WorkerGroup:
                     for r, actor in enumerate(self._actors)]
             return GroupFuture(self, what, refs, ranks, list)
         if spec.mode == DP_COMPUTE:
-            shards, n_pad = split_dp_args(args, kwargs, self.dp, spec.pad)
+            shards, n_pad = (spec.split or split_dp_args)(args, kwargs, self.dp, spec.pad)
             put = [([_put(x) for x in a], {k: _put(v) for k, v in kw.items()}) for a, kw in shards]
             refs = []
             for rank, actor in enumerate(self._actors):

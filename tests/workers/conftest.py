@@ -1,0 +1,42 @@
+"""Helpers for the worker-group tests: RL batches in the driver's layout and an HF reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.batch import Batch, pad_sequences
+
+
+def make_rl_batch(n: int = 8, vocab: int = 500, p_max: int = 6, r_max: int = 5, seed: int = 0) -> Batch:
+    """Prompts left-padded to P, responses right-padded to R, random lengths (>= 1 token each)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def seqs(lo: int, hi: int) -> list[torch.Tensor]:
+        return [torch.randint(3, vocab, (int(torch.randint(lo, hi + 1, (1,), generator=g)),), generator=g)
+                for _ in range(n)]
+
+    p_ids, p_mask = pad_sequences(seqs(2, p_max), left=True)
+    r_ids, r_mask = pad_sequences(seqs(1, r_max))
+    batch = Batch({"input_ids": torch.cat([p_ids, r_ids], 1), "attention_mask": torch.cat([p_mask, r_mask], 1),
+                   "responses": r_ids, "response_mask": r_mask})
+    batch["advantages"] = torch.randn(r_ids.shape, generator=g) * r_mask
+    return batch
+
+
+def hf_logprobs(model_path: str, batch: Batch) -> torch.Tensor:
+    """Response log-probs from a plain transformers fp32 forward (position ids from the mask)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    am = batch["attention_mask"]
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp_min(0)).logits
+    r = batch["responses"].shape[1]
+    lp = torch.log_softmax(logits[:, -r - 1:-1].float(), -1).gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+    return lp * batch["response_mask"]
+
+
+@pytest.fixture(scope="session")
+def rl_batch_factory():
+    return make_rl_batch

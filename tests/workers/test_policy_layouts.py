@@ -1,0 +1,138 @@
+"""Policy groups at TP=2, PP=2 and DP=2 against TP=1 on the same weights (real Ray, real megatron-core).
+
+One Ray session and one group per layout for the whole module; the tests run in file order and share
+the groups (the train step changes their weights, so the logprob check comes first).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import ray
+import torch
+
+from tests.workers.conftest import hf_logprobs, make_rl_batch
+from workers.group import WorkerDiedError, WorkerGroup
+from workers.roles import PolicyWorker, fetch_state_dict
+
+LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "dp2": (1, 1, 2)}
+OPTIM = {"lr": 1e-3, "clip_grad": 1.0, "weight_decay": 0.0}
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, tiny_model_factory):
+    path = tiny_model_factory("tiny-qwen2")
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    log_dir = tmp_path_factory.mktemp("logs")
+    groups = {}
+    try:
+        for name, (tp, pp, dp) in LAYOUTS.items():
+            groups[name] = WorkerGroup(
+                "policy", PolicyWorker, tp=tp, pp=pp, dp=dp, name=f"policy-{name}", num_cpus_per_worker=0.5,
+                timeout_s=120, log_dir=log_dir,
+                init_kwargs={"model_path": path, "micro_batch_size": 4, "optim": OPTIM},
+            )
+        yield {"path": path, "groups": groups, "tmp": tmp_path_factory.mktemp("ckpt")}
+    finally:
+        for g in groups.values():
+            g.shutdown()
+        ray.shutdown()
+
+
+def test_logprobs_match_across_layouts(env):
+    batch = make_rl_batch(n=10, seed=1)
+    ref = hf_logprobs(env["path"], batch)
+    base = env["groups"]["tp1"].compute_logprobs(batch, with_entropy=True)
+    assert base["logprobs"].shape == batch["responses"].shape
+    assert (base["logprobs"] - ref).abs().max() < 1e-4  # megatron vs transformers
+    assert (base["entropy"] > 0).sum() == batch["response_mask"].sum()
+    for name in ("tp2", "pp2", "dp2"):
+        out = env["groups"][name].compute_logprobs(batch, with_entropy=True, micro_batch_size=3)
+        assert (out["logprobs"] - base["logprobs"]).abs().max() <= 1e-5, name
+        assert (out["entropy"] - base["entropy"]).abs().max() <= 1e-5, name
+
+
+def test_async_call(env):
+    batch = make_rl_batch(n=4, seed=2)
+    futures = [env["groups"][n].compute_logprobs.remote(batch) for n in ("tp1", "tp2")]
+    a, b = (f.get() for f in futures)
+    assert (a["logprobs"] - b["logprobs"]).abs().max() <= 1e-5
+
+
+def test_train_step_same_update_across_layouts(env):
+    batch = make_rl_batch(n=8, seed=3)
+    batch["old_logprobs"] = env["groups"]["tp1"].compute_logprobs(batch)["logprobs"]
+    loss_cfg = {"clip_low": 0.2, "clip_high": 0.28, "mini_batches": 2, "entropy_coef": 0.01}
+    micro = {"tp1": 4, "tp2": 1, "pp2": 2, "dp2": 3}  # different micro-batch counts per layout
+    metrics, weights = {}, {}
+    initial = fetch_state_dict(env["groups"]["tp1"].state_dict_for_rollout())
+    for name, g in env["groups"].items():
+        metrics[name] = g.train_step(batch, {**loss_cfg, "micro_batch_size": micro[name]})
+        weights[name] = fetch_state_dict(g.state_dict_for_rollout(bucket_mb=1.0))
+    base = weights["tp1"]
+    assert metrics["tp1"]["num_steps"] == 2 and metrics["tp1"]["skipped_steps"] == 0
+    assert max((base[k] - initial[k]).abs().max().item() for k in base) > 1e-4  # the step did move weights
+    for name in ("tp2", "pp2", "dp2"):
+        assert weights[name].keys() == base.keys(), name
+        diff = max((weights[name][k] - base[k]).abs().max().item() for k in base)
+        print(f"{name}: max |param - tp1 param| = {diff:.2e}")
+        assert diff <= 1e-5, (name, diff)
+        for key in ("loss", "grad_norm", "clipfrac"):
+            assert metrics[name][key] == pytest.approx(metrics["tp1"][key], abs=1e-5), (name, key)
+
+
+def test_checkpoint_round_trip_and_reshard(env, tmp_path):
+    tp1, tp2 = env["groups"]["tp1"], env["groups"]["pp2"]
+    batch = make_rl_batch(n=8, seed=4)
+    batch["old_logprobs"] = tp1.compute_logprobs(batch)["logprobs"]
+    ckpt = str(tmp_path / "ckpt")
+    tp1.save_checkpoint(ckpt)
+    saved = tp1.compute_logprobs(batch)["logprobs"]
+    after_one = tp1.train_step(batch, {})
+    w1 = fetch_state_dict(tp1.state_dict_for_rollout())
+    meta = tp1.load_checkpoint(ckpt)
+    assert meta["layout"] == {"tp": 1, "pp": 1, "dp": 1}
+    assert (tp1.compute_logprobs(batch)["logprobs"] - saved).abs().max() == 0
+    again = tp1.train_step(batch, {})  # optimizer + scheduler state restored: the same step again
+    w2 = fetch_state_dict(tp1.state_dict_for_rollout())
+    assert max((w1[k] - w2[k]).abs().max().item() for k in w1) <= 1e-6
+    assert again["grad_norm"] == pytest.approx(after_one["grad_norm"], rel=1e-5)
+    tp2.load_checkpoint(ckpt, load_optimizer=False)  # a TP1 checkpoint into a PP2 layout
+    assert (tp2.compute_logprobs(batch)["logprobs"] - saved).abs().max() <= 1e-5
+
+
+def test_nonfinite_step_is_skipped(env):
+    g = env["groups"]["dp2"]
+    batch = make_rl_batch(n=4, seed=5)
+    batch["old_logprobs"] = g.compute_logprobs(batch)["logprobs"]
+    before = fetch_state_dict(g.state_dict_for_rollout())
+    bad = batch.index(list(range(4)))
+    bad["advantages"] = torch.full_like(batch["advantages"], float("nan"))
+    m = g.train_step(bad, {})
+    assert m["skipped_steps"] == 1 and not m["grad_norm"] == m["grad_norm"]  # NaN norm reported
+    after = fetch_state_dict(g.state_dict_for_rollout())
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_train_lm_step_lowers_loss(env):
+    g = env["groups"]["tp2"]
+    batch = make_rl_batch(n=8, seed=6)
+    lm = batch.select(["input_ids", "attention_mask"])
+    losses = [g.train_lm_step(lm)["loss"] for _ in range(4)]
+    assert losses[-1] < losses[0]
+
+
+def test_dead_rank_fails_fast_with_identity(env):
+    g = env["groups"]["dp2"]
+    victim = g.infos[1]
+    os.kill(victim["pid"], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerDiedError) as err:
+        g.compute_logprobs(make_rl_batch(n=4, seed=7))
+    assert time.monotonic() - t0 < 30
+    msg = str(err.value)
+    assert "role 'policy'" in msg and "rank 1" in msg and victim["name"] in msg and victim["node_ip"] in msg
+    assert "last log lines" in msg and "started: pid" in msg

@@ -1,0 +1,399 @@
+"""`MegatronEngine`: one rank's share of a megatron-core model with its optimizer, schedule and checkpoints.
+
+The roles (policy, reference, critic, reward model) are thin layers over it. It assumes the world and
+megatron parallel_state are up (`workers.megatron.parallel.init_distributed`). What it does:
+
+- builds the local TP/PP shard of a GPT (LM or value head) from a HF folder and loads its weights;
+- trainable: wraps it in Megatron DDP, builds `get_megatron_optimizer` (distributed optimizer when
+  configured) and an `OptimizerParamScheduler` (warmup, then constant / linear / cosine to min lr);
+- `forward_backward(micro_batches, loss_fn, forward_only)`: the pipeline schedule over micro-batches;
+  `loss_fn(micro, output)` returns (loss, data) and runs on the last PP stage only;
+- `optimizer_step()`: NaN/Inf check of the global grad norm (skips the step), clipping, step, lr update;
+- `save_checkpoint` / `load_checkpoint` through dist_checkpointing (model, optimizer, scheduler, RNG);
+  the model loads at any TP/PP/DP, the distributed optimizer state at another DP (`dp_reshardable`);
+- `offload()` / `onload()`: parameters to CPU and back between uses (GPU only; no-ops on CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workers.megatron.cpu_compat import cuda_absent
+from workers.megatron.hf_weights import HFTensorSource
+
+log = logging.getLogger("workers")
+_DIST_OPT_META = {"distrib_optim_sharding_type": "dp_reshardable"}
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def as_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class OptimSettings:
+    """Optimizer and LR schedule (mirrors rlhf.config OptimConfig; unknown keys are rejected)."""
+
+    lr: float = 1e-5
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    warmup_steps: int = 0
+    lr_decay_style: str = "constant"  # constant | linear | cosine
+    total_steps: int = 1000  # optimizer steps the schedule spans
+    use_distributed_optimizer: bool = False
+
+    @classmethod
+    def from_any(cls, value: OptimSettings | dict[str, Any] | None) -> OptimSettings:
+        if value is None or isinstance(value, OptimSettings):
+            return value or cls()
+        value = dict(value)
+        value.pop("max_consecutive_nonfinite", None)  # the driver's business
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown optimizer settings {unknown}; known: {sorted(known)}")
+        if "betas" in value:
+            value["betas"] = tuple(value["betas"])
+        return cls(**value)
+
+
+@dataclass
+class Micro:
+    """One micro-batch ready for the model: trimmed token block, masks and the per-sample fields."""
+
+    input_ids: torch.Tensor  # [b, s]
+    position_ids: torch.Tensor  # [b, s]
+    attention_mask: torch.Tensor  # [b, 1, s, s] bool, True = masked
+    fields: dict[str, torch.Tensor]  # per-sample tensors the loss needs (any width)
+    offset: int = 0  # columns trimmed from the left of the original block
+
+
+class MegatronEngine:
+    """The local shard of one megatron GPT, optionally trainable (see module docstring)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str | torch.dtype = "float32",
+        value_head: bool = False,
+        trainable: bool = True,
+        optim: OptimSettings | dict[str, Any] | None = None,
+        load_weights: bool = True,
+        recompute: bool = False,
+    ) -> None:
+        from megatron.core import parallel_state as ps
+        from transformers import AutoConfig
+
+        from workers.megatron.model_provider import build_gpt_model
+
+        self.model_path = model_path
+        self.hf_config = AutoConfig.from_pretrained(model_path)
+        self.vocab_size = int(self.hf_config.vocab_size)
+        self.dtype = as_dtype(dtype)
+        self.value_head = value_head
+        self.trainable = trainable
+        self.device = torch.device("cpu") if cuda_absent() else torch.device("cuda", torch.cuda.current_device())
+        overrides: dict[str, Any] = {}
+        if recompute:
+            overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            # micro-batches may differ in size and length (the MoE-only dispatcher check needs alltoall)
+            overrides.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+        model = build_gpt_model(self.hf_config, dtype=self.dtype, value_head=value_head, **overrides)
+        model.to(self.device)
+        if load_weights:
+            self._load_hf(model, model_path)
+        self.module = model
+        self.config = model.config
+        self.optim = OptimSettings.from_any(optim)
+        self.optimizer = None
+        self.scheduler = None
+        self.steps = 0
+        if trainable:
+            self._setup_training()
+        else:
+            for p in model.parameters():
+                p.requires_grad_(False)
+            model.eval()
+            self.chunks = [model]
+        self._offloaded = False
+
+    # ---- building -----------------------------------------------------------------------------
+    def _load_hf(self, model: torch.nn.Module, path: str) -> None:
+        from workers.megatron.hf_weights import load_hf_weights
+
+        src = HFTensorSource(path)
+        try:
+            if self.value_head:
+                src = _ValueHeadSource(src, int(self.hf_config.hidden_size))
+            load_hf_weights(model, src, self.hf_config)
+        finally:
+            src.close()
+
+    def _setup_training(self) -> None:
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        o = self.optim
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=o.use_distributed_optimizer
+        )
+        ddp = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=self.module)
+        self.chunks = [ddp]
+        opt_config = OptimizerConfig(
+            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.betas[0],
+            adam_beta2=o.betas[1], adam_eps=o.eps, clip_grad=o.clip_grad, bf16=self.dtype == torch.bfloat16,
+            fp16=self.dtype == torch.float16, params_dtype=self.dtype,
+            use_distributed_optimizer=o.use_distributed_optimizer,
+        )
+        self.optimizer = get_megatron_optimizer(opt_config, self.chunks)
+        decay_steps = max(1, o.total_steps - o.warmup_steps) if o.lr_decay_style != "constant" else max(1, o.total_steps)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if o.warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+            lr_warmup_steps=o.warmup_steps, lr_decay_steps=decay_steps + o.warmup_steps,
+            lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
+            wd_incr_steps=max(1, o.total_steps), wd_incr_style="constant",
+        )
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.no_sync_func = ddp.no_sync
+        if self.dtype == torch.float16:
+            self.config.grad_scale_func = self.optimizer.scale_loss
+
+    # ---- layout -------------------------------------------------------------------------------
+    @property
+    def is_last_stage(self) -> bool:
+        from megatron.core import parallel_state as ps
+
+        return ps.is_pipeline_last_stage()
+
+    @staticmethod
+    def dp_group() -> Any:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_group()
+
+    @staticmethod
+    def dp_size() -> int:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_world_size()
+
+    # ---- running ------------------------------------------------------------------------------
+    def forward_backward(
+        self,
+        micro_batches: list[Micro],
+        loss_fn: Callable[[Micro, torch.Tensor], tuple[torch.Tensor, Any]],
+        forward_only: bool,
+    ) -> list[Any]:
+        """Run the pipeline schedule; returns the `data` of `loss_fn` per micro-batch on the last stage
+        ([] on other stages). Gradients accumulate over the micro-batches; the schedule divides each
+        returned loss by the number of micro-batches (scale it back up if the loss is already a sum)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if not micro_batches:
+            return []
+
+        def step(data_iter: Iterator[Micro], model: torch.nn.Module):
+            mb = next(data_iter)
+            out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask)
+            return out, lambda output: loss_fn(mb, output)
+
+        for chunk in self.chunks:
+            chunk.train(not forward_only)
+        grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
+        with grad_ctx:
+            out = get_forward_backward_func()(
+                forward_step_func=step,
+                data_iterator=iter(micro_batches),
+                model=self.chunks,
+                num_microbatches=len(micro_batches),
+                seq_length=max(m.input_ids.shape[1] for m in micro_batches),
+                micro_batch_size=max(m.input_ids.shape[0] for m in micro_batches),
+                forward_only=forward_only,
+            )
+        return list(out) if self.is_last_stage else []
+
+    def zero_grad(self) -> None:
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Check, clip and apply the accumulated gradients; returns grad_norm, lr and skipped (1.0 when
+        the global grad norm was NaN/Inf and the step was skipped)."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        opt = self.optimizer
+        found_inf = opt.prepare_grads()
+        grad_norm = float(opt.get_grad_norm())
+        lr = float(opt.param_groups[0]["lr"])
+        if found_inf or not math.isfinite(grad_norm):
+            log.warning("non-finite grad norm %s: optimizer step skipped", grad_norm)
+            self.zero_grad()
+            return {"grad_norm": grad_norm, "lr": lr, "skipped": 1.0}
+        if self.optim.clip_grad > 0:
+            for sub in getattr(opt, "chained_optimizers", [opt]):
+                params = sub.get_parameters()
+                if params:
+                    clip_grad_by_total_norm_fp32(
+                        params, max_norm=self.optim.clip_grad, total_norm=grad_norm,
+                        use_decoupled_grad=sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+                    )
+        ok = opt.step_with_ready_grads()
+        self.scheduler.step(increment=1)
+        self.steps += 1
+        return {"grad_norm": grad_norm, "lr": lr, "skipped": 0.0 if ok else 1.0}
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    def _layout(self) -> dict[str, int]:
+        from megatron.core import parallel_state as ps
+
+        return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+                "dp": ps.get_data_parallel_world_size()}
+
+    def _rng_object(self, data: Any) -> Any:
+        from megatron.core import parallel_state as ps
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+        lay = self._layout()
+        return ShardedObject("rng_state", data, (lay["pp"], lay["tp"]),
+                             (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
+                             replica_id=ps.get_data_parallel_rank())
+
+    def _sharded_state(self, with_optimizer: bool, is_loading: bool) -> dict[str, Any]:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        model_sd = self.module.sharded_state_dict()
+        state: dict[str, Any] = {"model": model_sd}
+        if with_optimizer and self.optimizer is not None:
+            meta = _DIST_OPT_META if self.optim.use_distributed_optimizer else None
+            state["optimizer"] = self.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=meta)
+        rng = {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+        if not cuda_absent():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        state["rng"] = self._rng_object(rng)
+        return state
+
+    def save_checkpoint(self, path: str | Path) -> None:
+        """Collective: write model, optimizer, scheduler, step and RNG state under `path`."""
+        from megatron.core import dist_checkpointing
+
+        path = Path(path)
+        if torch.distributed.get_rank() == 0:
+            path.mkdir(parents=True, exist_ok=True)
+        torch.distributed.barrier()
+        state = self._sharded_state(with_optimizer=True, is_loading=False)
+        state["meta"] = {"layout": self._layout(), "steps": self.steps, "value_head": self.value_head}
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        with torch.no_grad():
+            dist_checkpointing.save(state, str(path))
+        torch.distributed.barrier()
+
+    def load_checkpoint(self, path: str | Path, load_optimizer: bool = True) -> dict[str, Any]:
+        """Collective: load a checkpoint written by `save_checkpoint`, possibly at another layout.
+
+        The model always reshards. The optimizer, scheduler and RNG load when `load_optimizer` and this
+        engine is trainable; the RNG only at the same TP/PP layout (it is per model-parallel rank), the
+        optimizer at another DP only with the distributed optimizer. Returns the saved metadata."""
+        from megatron.core import dist_checkpointing
+
+        path = str(path)
+        common = dist_checkpointing.load_common_state_dict(path)
+        meta = dict(common.get("meta", {}))
+        same_mp = {k: v for k, v in meta.get("layout", {}).items() if k != "dp"} == {
+            k: v for k, v in self._layout().items() if k != "dp"}
+        with_opt = load_optimizer and self.optimizer is not None
+        state = self._sharded_state(with_optimizer=with_opt, is_loading=True)
+        if not same_mp:
+            state.pop("rng")
+        with torch.no_grad():
+            loaded = dist_checkpointing.load(state, path)
+            self.module.load_state_dict(loaded["model"])
+            if with_opt:
+                self.optimizer.load_state_dict(loaded["optimizer"])
+        if with_opt and "scheduler" in common and self.scheduler is not None:
+            self.scheduler.load_state_dict(common["scheduler"])
+        if with_opt:
+            self.steps = int(meta.get("steps", 0))
+        if "rng" in loaded and with_opt:
+            from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+            rng = loaded["rng"]
+            torch.set_rng_state(rng["torch"])
+            get_cuda_rng_tracker().set_states(rng["tracker"])
+            if "cuda" in rng and not cuda_absent():
+                torch.cuda.set_rng_state(rng["cuda"])
+        return meta
+
+    # ---- weights ------------------------------------------------------------------------------
+    def iter_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective over the whole world: full HF-named tensors (gathered over TP and PP)."""
+        from workers.megatron.hf_weights import iter_hf_weights
+
+        yield from iter_hf_weights(self.module, self.hf_config)
+
+    def offload(self) -> None:
+        """Move parameters to CPU (frozen models on GPU only; a no-op on CPU)."""
+        if self.device.type == "cpu" or self._offloaded or self.trainable:
+            return
+        for p in self.module.parameters():
+            p.data = p.data.to("cpu", non_blocking=True)
+        self._offloaded = True
+        torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        if not self._offloaded:
+            return
+        for p in self.module.parameters():
+            p.data = p.data.to(self.device, non_blocking=True)
+        self._offloaded = False
+
+    def describe(self) -> dict[str, Any]:
+        return {"params_local": sum(p.numel() for p in self.module.parameters()), "dtype": str(self.dtype),
+                "value_head": self.value_head, "trainable": self.trainable, **self._layout(),
+                "optim": asdict(self.optim) if self.trainable else None}
+
+
+class _ValueHeadSource(HFTensorSource):
+    """HF tensors for a value model built from a causal-LM folder: the LM head is dropped and, when the
+    folder has no `score.weight`, a deterministic one is made (same on every rank and layout)."""
+
+    def __init__(self, src: HFTensorSource, hidden: int, seed: int = 0) -> None:  # noqa: D107 - no super()
+        self.src, self.hidden, self.seed = src, hidden, seed
+        self._has_score = "score.weight" in src.shapes()
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = {k: v for k, v in self.src.shapes().items() if k != "lm_head.weight"}
+        shapes.setdefault("score.weight", (1, self.hidden))
+        return shapes
+
+    def get(self, name: str) -> torch.Tensor:
+        if name == "score.weight" and not self._has_score:
+            g = torch.Generator().manual_seed(self.seed)
+            return torch.randn(1, self.hidden, generator=g) / math.sqrt(self.hidden + 1)
+        return self.src.get(name)
+
+    def close(self) -> None:
+        self.src.close()

@@ -1,0 +1,156 @@
+"""`MegatronWorker`: a group rank whose world is megatron-core parallel state and whose model is a
+`MegatronEngine`. Shared by the policy, reference, critic and reward-model roles.
+
+init_kwargs (from `WorkerGroup(init_kwargs=...)`): `model_path` (HF folder), `dtype` ("float32" |
+"bfloat16"), `micro_batch_size`, `optim` (dict of `OptimSettings` fields), `recompute`, `load_weights`,
+`offload` (frozen roles on GPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from workers.dispatch import ONE_TO_ALL, register
+from workers.group.worker import Worker
+from workers.megatron.engine import MegatronEngine
+
+
+class Metrics:
+    """Per-micro-batch metrics, reduced over the DP group on the last PP stage: `add_sum` values are
+    summed (e.g. loss parts already divided by the global normaliser, token counts), `add_mean` values
+    are weighted means (e.g. clipfrac weighted by tokens)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.wsums: dict[str, float] = {}
+        self.weights: dict[str, float] = {}
+
+    @staticmethod
+    def _f(v: Any) -> float:
+        return float(v.detach()) if isinstance(v, torch.Tensor) else float(v)
+
+    def add_sum(self, values: dict[str, Any]) -> None:
+        for k, v in values.items():
+            self.sums[k] = self.sums.get(k, 0.0) + self._f(v)
+
+    def add_mean(self, values: dict[str, Any], weight: float = 1.0) -> None:
+        for k, v in values.items():
+            self.wsums[k] = self.wsums.get(k, 0.0) + self._f(v) * weight
+            self.weights[k] = self.weights.get(k, 0.0) + weight
+
+    def reduce(self, group: Any, active: bool) -> dict[str, float]:
+        """Collective over `group` when `active` (call it on the last PP stage only); {} otherwise."""
+        if not active:
+            return {}
+        sk, mk = sorted(self.sums), sorted(self.wsums)
+        t = torch.tensor([self.sums[k] for k in sk] + [self.wsums[k] for k in mk] + [self.weights[k] for k in mk],
+                         dtype=torch.float64)
+        if t.numel() and torch.distributed.get_world_size(group) > 1:
+            torch.distributed.all_reduce(t, group=group)
+        out = {k: t[i].item() for i, k in enumerate(sk)}
+        n, m = len(sk), len(mk)
+        for i, k in enumerate(mk):
+            w = t[n + m + i].item()
+            out[k] = t[n + i].item() / w if w > 0 else 0.0
+        return out
+
+
+class MegatronWorker(Worker):
+    """Base of the Megatron roles: sets up megatron parallel state and builds `self.engine`."""
+
+    trainable = True
+    value_head = False
+
+    def __init__(self, ctx: Any, **init_kwargs: Any) -> None:
+        import warnings
+
+        # megatron-core's fallbacks without Transformer Engine / Apex warn once per import site
+        warnings.filterwarnings("ignore", message=".*(Transformer Engine and Apex|Apex is not installed|"
+                                "full scope is deprecated|CUDA_DEVICE_MAX_CONNECTIONS).*")
+        super().__init__(ctx, **init_kwargs)
+
+    def init_distributed(self, master_addr: str, master_port: int) -> None:
+        from megatron.core import parallel_state as ps
+
+        from workers.megatron.parallel import init_distributed
+
+        c = self.ctx
+        init_distributed(c.rank, c.world_size, master_addr, master_port, tp=c.tp, pp=c.pp, backend=c.backend,
+                         timeout_s=c.timeout_s, seed=c.seed)
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+
+    def call_context(self) -> contextlib.AbstractContextManager:
+        from workers.megatron.cpu_compat import apply_cpu_compat
+
+        apply_cpu_compat()  # idempotent; enters the CPU device mode in the calling thread (no-op on GPU)
+        return contextlib.nullcontext()
+
+    def setup(self) -> None:
+        kw = self.init_kwargs
+        self.micro_batch_size = int(kw.get("micro_batch_size", 8))
+        self.offload_between_calls = bool(kw.get("offload", False))
+        self.engine = MegatronEngine(
+            kw["model_path"],
+            dtype=kw.get("dtype", "float32"),
+            value_head=self.value_head,
+            trainable=self.trainable,
+            optim=kw.get("optim"),
+            load_weights=kw.get("load_weights", True),
+            recompute=kw.get("recompute", False),
+        )
+        if self.offload_between_calls:
+            self.engine.offload()
+
+    @contextlib.contextmanager
+    def onloaded(self) -> Iterator[None]:
+        """Parameters on the device for the duration (offloaded again afterwards when configured)."""
+        self.engine.onload()
+        try:
+            yield
+        finally:
+            if self.offload_between_calls:
+                self.engine.offload()
+
+    # ---- methods every role has -------------------------------------------------------------
+    @register(ONE_TO_ALL, collect="rank0")
+    def describe(self) -> dict[str, Any]:
+        """Layout, local parameter count, dtype and optimizer settings (rank 0's view)."""
+        return self.engine.describe()
+
+    @register(ONE_TO_ALL, collect="rank0")
+    def save_checkpoint(self, path: str) -> str:
+        """Model, optimizer, scheduler and RNG through dist_checkpointing; returns `path`."""
+        t0 = time.monotonic()
+        self.engine.save_checkpoint(path)
+        self._log(f"saved checkpoint {path} in {time.monotonic() - t0:.1f}s")
+        return path
+
+    @register(ONE_TO_ALL, collect="rank0")
+    def load_checkpoint(self, path: str, load_optimizer: bool = True) -> dict[str, Any]:
+        """Load a `save_checkpoint` directory (any TP/PP/DP for the model); returns its metadata."""
+        meta = self.engine.load_checkpoint(path, load_optimizer=load_optimizer)
+        self._log(f"loaded checkpoint {path} (saved at {meta.get('layout')})")
+        return meta
+
+    @register(ONE_TO_ALL, collect="rank0")
+    def get_lr(self) -> float:
+        return float(self.engine.optimizer.param_groups[0]["lr"]) if self.engine.optimizer else 0.0
+
+    def _log(self, msg: str) -> None:
+        import logging
+
+        logging.getLogger("workers").info("%s: %s", self.ctx.name, msg)
+
+    # ---- helpers for training loops -----------------------------------------------------------
+    def dp_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """SUM over the data-parallel group (in place; returns `t`)."""
+        if self.engine.dp_size() > 1:
+            torch.distributed.all_reduce(t, group=self.engine.dp_group())
+        return t

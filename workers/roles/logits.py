@@ -1,0 +1,56 @@
+"""Log-probabilities and entropy from vocab-parallel logits (each TP rank holds a vocab slice).
+
+The logits of a TP rank are [..., V/tp] for vocab ids [rank*V/tp, (rank+1)*V/tp). Columns at or past
+the real vocab size (Megatron pads the vocab) are excluded. The reductions over the vocab use
+all-reduces whose backward is the identity (megatron's `reduce_from_tensor_model_parallel_region`),
+so gradients are right on every rank. With TP=1 this is plain log-softmax arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _tp() -> tuple[int, int, object]:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(), \
+        ps.get_tensor_model_parallel_group()
+
+
+def vocab_parallel_logprobs(
+    logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log p(labels), entropy or None) from local logits [..., V_local] and labels [...]; float32."""
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    rank, world, group = _tp()
+    v_local = logits.shape[-1]
+    start = rank * v_local
+    z = logits.float()
+    n_real = vocab_size - start
+    if n_real < v_local:
+        pad = torch.arange(v_local, device=z.device) >= max(n_real, 0)
+        z = z.masked_fill(pad, float("-inf"))
+    m = z.detach().max(dim=-1).values
+    if world > 1:
+        torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
+    shifted = z - m.unsqueeze(-1)
+    e = torch.exp(shifted)
+    s = e.sum(dim=-1)
+    in_shard = (labels >= start) & (labels < start + v_local)
+    idx = (labels - start).clamp(0, v_local - 1).long()
+    picked = torch.where(in_shard, shifted.gather(-1, idx.unsqueeze(-1)).squeeze(-1), torch.zeros_like(m))
+    if world > 1:
+        s = reduce_from_tensor_model_parallel_region(s)
+        picked = reduce_from_tensor_model_parallel_region(picked)
+    log_s = torch.log(s)
+    logp = picked - log_s
+    if not with_entropy:
+        return logp, None
+    # H = log S - sum_v p_v * shifted_v   (shifted = z - m; padded columns have p = 0)
+    p_shift = (e * torch.where(torch.isfinite(shifted), shifted, torch.zeros_like(shifted))).sum(dim=-1)
+    if world > 1:
+        p_shift = reduce_from_tensor_model_parallel_region(p_shift)
+    entropy = log_s - p_shift / s
+    return logp, entropy

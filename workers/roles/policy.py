@@ -1,0 +1,214 @@
+"""`PolicyWorker`: log-probabilities, PPO training, LM training and weight export for the rollout.
+
+Batch fields (see workers/batch.py conventions): `input_ids` [B, P+R], `attention_mask` [B, P+R],
+`responses` [B, R], `response_mask` [B, R]; training adds `advantages`, `old_logprobs` and optionally
+`ref_logprobs` [B, R].
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from algorithms import agg_loss, global_normalizer, kl_estimate, policy_loss
+from workers.batch import Batch
+from workers.dispatch import DP_COMPUTE, ONE_TO_ALL, register, split_by_minibatch
+from workers.megatron.engine import Micro
+from workers.roles.base import MegatronWorker, Metrics
+from workers.roles.logits import vocab_parallel_logprobs
+from workers.roles.micro import make_micro, pad_right, response_micros, response_slice
+from workers.roles.weights import put_buckets, save_hf_folder
+
+
+@dataclass
+class PPOLossConfig:
+    """What `train_step` needs besides the batch (a dict with these keys is accepted)."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    clip_c: float | None = None
+    agg_mode: str = "token-mean"
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0  # > 0 with `ref_logprobs` in the batch: KL as a loss term
+    kl_kind: str = "k3"
+    ppo_epochs: int = 1
+    mini_batches: int = 1  # optimizer steps per epoch
+    micro_batch_size: int | None = None  # None: the worker's micro_batch_size
+
+    @classmethod
+    def from_any(cls, value: Any) -> PPOLossConfig:
+        return _from_any(cls, value)
+
+
+def _from_any(cls: type, value: Any) -> Any:
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    value = dict(value)
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} keys {unknown}; known: {sorted(known)}")
+    return cls(**value)
+
+
+class LogprobMixin:
+    """`compute_logprobs` for the policy and the reference."""
+
+    def _logprob_pass(self, batch: Batch, with_entropy: bool, key: str, micro_batch_size: int | None) -> Batch:
+        eng = self.engine
+        r = batch["responses"].shape[1]
+        micros = response_micros(batch, micro_batch_size or self.micro_batch_size, ["responses"], eng.device)
+
+        def loss_fn(mb: Micro, logits: torch.Tensor):
+            sl, _ = response_slice(mb, logits)
+            labels = mb.fields["responses"][:, : sl.shape[1]]
+            logp, ent = vocab_parallel_logprobs(sl, labels, eng.vocab_size, with_entropy)
+            data = {key: pad_right(logp.float().cpu(), r)}
+            if with_entropy:
+                data["entropy"] = pad_right(ent.float().cpu(), r)
+            return torch.zeros((), device=logits.device), data
+
+        with self.onloaded():
+            outs = eng.forward_backward(micros, loss_fn, forward_only=True)
+        if not outs:
+            return Batch()
+        tensors = {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
+        mask = batch["response_mask"].to(torch.float32) if "response_mask" in batch else None
+        if mask is not None:
+            tensors = {k: v * mask for k, v in tensors.items()}
+        return Batch(tensors)
+
+
+class PolicyWorker(LogprobMixin, MegatronWorker):
+    """The trainable policy (see module docstring)."""
+
+    @register(DP_COMPUTE)
+    def compute_logprobs(self, batch: Batch, with_entropy: bool = False, key: str = "logprobs",
+                         micro_batch_size: int | None = None) -> Batch:
+        """Per-token log-probs [B, R] of the responses under `key` (and `entropy` [B, R] when asked);
+        0 at padding positions."""
+        return self._logprob_pass(batch, with_entropy, key, micro_batch_size)
+
+    @register(DP_COMPUTE, pad=False, split=split_by_minibatch())
+    def train_step(self, batch: Batch, loss_config: dict[str, Any] | PPOLossConfig | None = None) -> dict[str, float]:
+        """PPO: `ppo_epochs` x `mini_batches` optimizer steps on the batch; returns metrics averaged over
+        the steps (policy loss, clipfrac, approx_kl, entropy, kl, grad_norm, lr, skipped_steps, ...)."""
+        cfg = PPOLossConfig.from_any(loss_config)
+        eng = self.engine
+        t0 = time.monotonic()
+        minis = batch.split(max(1, cfg.mini_batches))
+        keys = ["responses", "response_mask", "advantages", "old_logprobs", "ref_logprobs"]
+        use_kl = cfg.kl_coef > 0 and "ref_logprobs" in batch
+        need_entropy = cfg.entropy_coef != 0
+        per_step: list[dict[str, float]] = []
+        for _ in range(max(1, cfg.ppo_epochs)):
+            for mini in minis:
+                norm = self.dp_all_reduce(global_normalizer(mini["response_mask"], cfg.agg_mode))
+                micros = response_micros(mini, cfg.micro_batch_size or self.micro_batch_size, keys, eng.device)
+                scale = len(micros) * eng.dp_size()
+                acc = Metrics()
+
+                def loss_fn(mb: Micro, logits: torch.Tensor, norm=norm, scale=scale, acc=acc):
+                    sl, r_eff = response_slice(mb, logits)
+                    f = {k: v[:, :r_eff] for k, v in mb.fields.items() if k != "_resp_col"}
+                    mask = f["response_mask"].to(torch.float32)
+                    logp, ent = vocab_parallel_logprobs(sl, f["responses"], eng.vocab_size, need_entropy)
+                    pg, m = policy_loss(logp, f["old_logprobs"].float(), f["advantages"].float(), mask,
+                                        cfg.clip_low, cfg.clip_high, cfg.clip_c, cfg.agg_mode, normalizer=norm)
+                    loss = pg
+                    parts = {"pg_loss": pg.detach()}
+                    if need_entropy:
+                        ent_loss = agg_loss(ent, mask, cfg.agg_mode, normalizer=norm)
+                        loss = loss - cfg.entropy_coef * ent_loss
+                        parts["entropy_loss"] = ent_loss.detach()
+                    if use_kl:
+                        kl = agg_loss(kl_estimate(logp, f["ref_logprobs"].float(), cfg.kl_kind), mask,
+                                      cfg.agg_mode, normalizer=norm)
+                        loss = loss + cfg.kl_coef * kl
+                        parts["kl_loss"] = kl.detach()
+                    parts["loss"] = loss.detach()
+                    n_tok = float(mask.sum())
+                    acc.add_sum({**parts, "tokens": n_tok})  # loss parts carry the global normaliser
+                    acc.add_mean(m, weight=n_tok)
+                    return loss * scale, {}
+
+                eng.zero_grad()
+                eng.forward_backward(micros, loss_fn, forward_only=False)
+                step = eng.optimizer_step()
+                metrics = acc.reduce(eng.dp_group(), eng.is_last_stage)
+                metrics.update(step)
+                per_step.append(metrics)
+        out = _mean_steps(per_step)
+        out["time_s"] = time.monotonic() - t0
+        return out
+
+    @register(DP_COMPUTE, pad=False)
+    def train_lm_step(self, batch: Batch, agg_mode: str = "token-mean", micro_batch_size: int | None = None
+                      ) -> dict[str, float]:
+        """One optimizer step of next-token cross-entropy on `input_ids` [B, S] (with `attention_mask` and
+        optional `loss_mask` [B, S]: 1 where the token at t is a target, e.g. assistant tokens in SFT).
+        Returns loss, tokens, grad_norm, lr, skipped."""
+        eng = self.engine
+        t0 = time.monotonic()
+        ids = batch["input_ids"]
+        attn = batch["attention_mask"] if "attention_mask" in batch else torch.ones_like(ids)
+        target_mask = (batch["loss_mask"] if "loss_mask" in batch else attn).clone().to(torch.float32)
+        target_mask[:, 0] = 0  # the first token has no prediction
+        target_mask = target_mask * attn
+        norm = self.dp_all_reduce(global_normalizer(target_mask[:, 1:], agg_mode))
+        mbs = micro_batch_size or self.micro_batch_size
+        micros = []
+        for i in range(0, len(batch), mbs):
+            sl = slice(i, i + mbs)
+            micros.append(make_micro(ids[sl], attn[sl], {"ids": ids[sl], "tmask": target_mask[sl]}, eng.device))
+        scale = len(micros) * eng.dp_size()
+        acc = Metrics()
+
+        def loss_fn(mb: Micro, logits: torch.Tensor):
+            s = logits.shape[1]
+            labels = mb.fields["ids"][:, mb.offset + 1: mb.offset + s]
+            mask = mb.fields["tmask"][:, mb.offset + 1: mb.offset + s]
+            logp, _ = vocab_parallel_logprobs(logits[:, : s - 1], labels, eng.vocab_size)
+            loss = agg_loss(-logp, mask, agg_mode, normalizer=norm)
+            acc.add_sum({"loss": loss.detach(), "tokens": float(mask.sum())})
+            return loss * scale, {}
+
+        eng.zero_grad()
+        eng.forward_backward(micros, loss_fn, forward_only=False)
+        step = eng.optimizer_step()
+        out = acc.reduce(eng.dp_group(), eng.is_last_stage)
+        out.update(step)
+        out["time_s"] = time.monotonic() - t0
+        return out
+
+    # ---- weights for the rollout engine -------------------------------------------------------
+    @register(ONE_TO_ALL, collect="flatten")
+    def state_dict_for_rollout(self, bucket_mb: float = 64.0) -> list[Any]:
+        """Full HF-named weights (gathered over TP, one share per PP stage) as buckets in the Ray object
+        store. The group returns the list of bucket ObjectRefs (each a dict name -> CPU tensor of about
+        `bucket_mb`); pass them to the rollout worker, which `ray.get`s them one at a time (the data
+        never goes through the driver). `workers.roles.weights.fetch_state_dict(refs)` merges them."""
+        return put_buckets(self.engine, bucket_mb)
+
+    @register(ONE_TO_ALL, collect="rank0")
+    def save_hf_weights(self, out_dir: str, max_shard_mb: float = 2048.0) -> str:
+        """Write the full weights as a HF folder (safetensors + index + config.json) into `out_dir`."""
+        return str(save_hf_folder(self.engine, out_dir, self.ctx.rank, max_shard_mb))
+
+
+def _mean_steps(per_step: list[dict[str, float]]) -> dict[str, float]:
+    if not per_step:
+        return {}
+    keys = sorted({k for s in per_step for k in s})
+    out = {k: sum(s.get(k, 0.0) for s in per_step) / len(per_step) for k in keys}
+    out["grad_norm_max"] = max(s.get("grad_norm", 0.0) for s in per_step)
+    out["skipped_steps"] = sum(s.get("skipped", 0.0) for s in per_step)
+    out["num_steps"] = float(len(per_step))
+    out["tokens"] = sum(s.get("tokens", 0.0) for s in per_step)
+    out.pop("skipped", None)
+    return out

@@ -1,0 +1,22 @@
+"""`ReferenceWorker`: a frozen copy of the policy; `compute_logprobs` only.
+
+No optimizer or gradient buffers are built. With `init_kwargs["offload"]=True` (GPU) its parameters
+stay on the CPU between calls, so it can share the policy's GPUs (colocate both on one ResourcePool).
+"""
+
+from __future__ import annotations
+
+from workers.batch import Batch
+from workers.dispatch import DP_COMPUTE, register
+from workers.roles.base import MegatronWorker
+from workers.roles.policy import LogprobMixin
+
+
+class ReferenceWorker(LogprobMixin, MegatronWorker):
+    trainable = False
+
+    @register(DP_COMPUTE)
+    def compute_logprobs(self, batch: Batch, with_entropy: bool = False, key: str = "ref_logprobs",
+                         micro_batch_size: int | None = None) -> Batch:
+        """Per-token log-probs [B, R] of the responses under `key` (default `ref_logprobs`)."""
+        return self._logprob_pass(batch, with_entropy, key, micro_batch_size)

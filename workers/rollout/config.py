@@ -1,0 +1,125 @@
+"""`EngineConfig`: how a rollout engine is built, and the process environment vLLM needs first."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+
+
+@dataclass
+class EngineConfig:
+    """vLLM engine settings. The CPU/GPU differences are resolved in `resolved_llm_kwargs`.
+
+    `kv_cache_gb` bounds the KV cache on both CPU and GPU (vLLM's `kv_cache_memory_bytes`), so an engine
+    never grabs a fraction of the machine. `logprobs_mode` "raw_logprobs" returns log-softmax of the
+    model's logits, which is what the policy recomputes; "processed_logprobs" applies temperature/top-k/p.
+    """
+
+    model_path: str
+    tokenizer_path: str | None = None
+    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto
+    tp: int = 1
+    kv_cache_gb: float = 1.0
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool | None = None
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # CPU: torch threads of the engine process (None: keep the default)
+    num_cpus: float = 1.0  # Ray actor resources
+    num_gpus: float = 0.0
+    seed: int = 0
+    logprobs_mode: str = "raw_logprobs"
+    gpu_memory_utilization: float = 0.4
+    enable_sleep_mode: bool = False  # GPU colocated with training: free weights / KV during training
+    enforce_eager: bool | None = None  # None: eager on CPU, CUDA graphs on GPU
+    work_dir: str | None = None  # TMPDIR / VLLM_CACHE_ROOT for the engine (None: a fresh temp folder)
+    extra: dict[str, Any] = field(default_factory=dict)  # passed to vllm.LLM as is
+
+    def validate(self) -> EngineConfig:
+        if self.tp < 1:
+            raise ValueError(f"EngineConfig.tp={self.tp} must be >= 1")
+        if self.kv_cache_gb <= 0:
+            raise ValueError(f"EngineConfig.kv_cache_gb={self.kv_cache_gb} must be > 0")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"EngineConfig.max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"EngineConfig.logprobs_mode={self.logprobs_mode!r} must be one of {LOGPROBS_MODES}")
+        if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
+            raise ValueError(f"EngineConfig.dtype={self.dtype!r} must be float32, bfloat16, float16 or auto")
+        return self
+
+    @classmethod
+    def from_config(cls, cfg: Any, model_path: str, tokenizer_path: str | None = None, **overrides: Any):
+        """Build from the run's rollout section (any object or dict with matching field names)."""
+        get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
+        kw = {f.name: get(f.name) for f in fields(cls) if f.name not in ("model_path", "tokenizer_path")}
+        kw = {k: v for k, v in kw.items() if v is not None}
+        return cls(model_path=str(model_path), tokenizer_path=tokenizer_path, **{**kw, **overrides}).validate()
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def cuda_available() -> bool:
+    """The one CPU/GPU switch of the rollout package."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def prepare_env(cfg: EngineConfig) -> str:
+    """Set the environment vLLM reads at engine start; return the work dir. Call before building the LLM.
+
+    CPU: in-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, executor "uni"), which starts in seconds
+    and lets weight sync hand vLLM a lazy iterator. GPU with tp > 1 keeps vLLM's worker processes.
+    """
+    work = cfg.work_dir or tempfile.mkdtemp(prefix="rollout_")
+    os.makedirs(work, exist_ok=True)
+    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(work, "vllm_cache"))
+    if not cuda_available() or cfg.tp == 1:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    else:
+        # Worker processes leave ZeroMQ sockets in TMPDIR: keep them in the run's folder.
+        os.environ["TMPDIR"] = os.path.join(work, "tmp")
+        os.makedirs(os.environ["TMPDIR"], exist_ok=True)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return work
+
+
+def llm_kwargs(cfg: EngineConfig) -> dict[str, Any]:
+    """Keyword arguments of `vllm.LLM` for this config on this machine."""
+    on_gpu = cuda_available()
+    kw: dict[str, Any] = dict(
+        model=cfg.model_path,
+        tokenizer=cfg.tokenizer_path or cfg.model_path,
+        dtype=cfg.dtype,
+        seed=cfg.seed,
+        tensor_parallel_size=cfg.tp,
+        max_num_seqs=cfg.max_num_seqs,
+        kv_cache_memory_bytes=int(cfg.kv_cache_gb * (1 << 30)),
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        logprobs_mode=cfg.logprobs_mode,
+        enforce_eager=(not on_gpu) if cfg.enforce_eager is None else cfg.enforce_eager,
+    )
+    if cfg.max_model_len is not None:
+        kw["max_model_len"] = cfg.max_model_len
+    if cfg.max_num_batched_tokens is not None:
+        kw["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+    if cfg.enable_chunked_prefill is not None:
+        kw["enable_chunked_prefill"] = cfg.enable_chunked_prefill
+    if on_gpu:
+        kw["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        kw["enable_sleep_mode"] = cfg.enable_sleep_mode
+        if cfg.tp == 1:
+            kw["distributed_executor_backend"] = "uni"
+    else:
+        if cfg.tp != 1:
+            raise ValueError(f"EngineConfig.tp={cfg.tp}: CPU engines run in-process with tp=1 (use several engines)")
+        kw["distributed_executor_backend"] = "uni"
+    kw.update(cfg.extra)
+    return kw

@@ -1,0 +1,139 @@
+"""Prompt normalisation (chat messages, raw text or token ids -> token ids) and the output Batch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from workers.batch import Batch
+
+PROMPT_KEYS = ("prompt_ids", "messages", "prompt")
+
+
+@dataclass
+class Prompts:
+    """Normalised prompts: token ids and text per prompt, plus the input batch (its other fields ride along)."""
+
+    ids: list[list[int]]
+    text: list[str]
+    source: Batch
+
+
+def _is_messages(x: Any) -> bool:
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(m, dict) for m in x)
+
+
+def _is_ids(x: Any) -> bool:
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(t, int) for t in x)
+
+
+def as_batch(prompts: Batch | Sequence[Any]) -> Batch:
+    """A Batch from a Batch or a plain list of prompts (strings, message lists or token-id lists)."""
+    if isinstance(prompts, Batch):
+        return prompts
+    items = list(prompts)
+    if items and all(_is_ids(x) for x in items):
+        return Batch(meta={"prompt_ids": items})
+    if items and all(isinstance(x, torch.Tensor) for x in items):
+        return Batch(meta={"prompt_ids": [x.tolist() for x in items]})
+    return Batch(meta={"prompt": items})
+
+
+def normalise(prompts: Batch | Sequence[Any], tokenizer: Any) -> Prompts:
+    """Token ids and text of each prompt.
+
+    Fields, first found wins: meta `prompt_ids` (token-id lists, used as is; text decoded), `messages`
+    (chat messages; the chat template is applied with the generation prompt), `prompt` (each entry a
+    string, used as raw text, or a list of message dicts, chat-templated).
+    """
+    batch = as_batch(prompts)
+    if len(batch) == 0:
+        raise ValueError("generate got no prompts")
+    key = next((k for k in PROMPT_KEYS if k in batch.meta), None)
+    if key is None:
+        raise ValueError(f"the prompt batch needs one of the meta fields {PROMPT_KEYS}; it has {batch.keys()}")
+    values = batch.meta[key]
+    if key == "prompt_ids":
+        ids = [[int(t) for t in x] for x in values]
+        if any(not x for x in ids):
+            raise ValueError("an empty token-id prompt was passed")
+        text = list(batch.meta["prompt"]) if "prompt" in batch.meta else tokenizer.batch_decode(ids)
+        return Prompts(ids, [str(t) for t in text], batch)
+    text, templated = [], []
+    for i, x in enumerate(values):
+        if _is_messages(x):
+            text.append(tokenizer.apply_chat_template(list(x), add_generation_prompt=True, tokenize=False))
+            templated.append(True)
+        elif isinstance(x, str):
+            text.append(x)
+            templated.append(False)
+        else:
+            raise ValueError(f"prompt {i} is neither text nor chat messages: {type(x).__name__}")
+    ids = [None] * len(text)
+    for flag in (True, False):
+        rows = [i for i, t in enumerate(templated) if t is flag]
+        if rows:
+            enc = tokenizer([text[i] for i in rows], add_special_tokens=not flag)["input_ids"]
+            for i, e in zip(rows, enc):
+                ids[i] = list(e)
+    if any(not x for x in ids):
+        raise ValueError("a prompt tokenised to zero tokens")
+    return Prompts(ids, text, batch)  # type: ignore[arg-type]
+
+
+def build_output(prompts: Prompts, outputs: Sequence[Sequence[Any]], n: int, pad_id: int) -> Batch:
+    """The generate Batch (see RolloutWorker.generate) from vLLM's per-prompt completion lists."""
+    rows = len(prompts.ids) * n
+    resp_ids: list[list[int]] = []
+    resp_lp: list[list[float]] = []
+    texts, reasons = [], []
+    for comps in outputs:
+        for c in comps:
+            toks = list(c.token_ids)
+            resp_ids.append(toks)
+            resp_lp.append(_sampled_logprobs(c.logprobs, toks))
+            texts.append(c.text)
+            reasons.append(c.finish_reason or "length")
+    if len(resp_ids) != rows:
+        raise RuntimeError(f"the engine returned {len(resp_ids)} samples, expected {rows}")
+    width_p = max(len(p) for p in prompts.ids)
+    width_r = max(1, max(len(r) for r in resp_ids))
+    input_ids = torch.full((rows, width_p + width_r), pad_id, dtype=torch.long)
+    attn = torch.zeros((rows, width_p + width_r), dtype=torch.long)
+    logprobs = torch.zeros((rows, width_r), dtype=torch.float32)
+    for row in range(rows):
+        p, r = prompts.ids[row // n], resp_ids[row]
+        input_ids[row, width_p - len(p):width_p] = torch.tensor(p)
+        attn[row, width_p - len(p):width_p] = 1
+        if r:
+            input_ids[row, width_p:width_p + len(r)] = torch.tensor(r)
+            attn[row, width_p:width_p + len(r)] = 1
+            logprobs[row, :len(r)] = torch.tensor(resp_lp[row], dtype=torch.float32)
+    repeat = [i // n for i in range(rows)]
+    base = prompts.source.index(repeat)
+    out = Batch(
+        tensors={
+            "input_ids": input_ids,
+            "attention_mask": attn,
+            "responses": input_ids[:, width_p:].clone(),
+            "response_mask": attn[:, width_p:].clone(),
+            "rollout_logprobs": logprobs,
+        },
+        meta={
+            "prompt": [prompts.text[i] for i in repeat],
+            "response_text": texts,
+            "finish_reason": reasons,
+            "group_id": repeat,
+        },
+    )
+    return base.union(out)
+
+
+def _sampled_logprobs(logprobs: Any, toks: list[int]) -> list[float]:
+    """The sampled token's logprob at each step (vLLM returns a dict or a flat container per step)."""
+    if logprobs is None:
+        return [0.0] * len(toks)
+    return [float(step[t].logprob) for step, t in zip(logprobs, toks)]

@@ -1,0 +1,159 @@
+"""`WeightSyncer`: the driver side of weight sync (launch, wait with a timeout, verify)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from workers.batch import Batch
+from workers.rollout.transport import (
+    SyncSession,
+    WeightSyncError,
+    WeightSyncTimeout,
+    choose_transport,
+    is_timeout,
+)
+
+log = logging.getLogger(__name__)
+_IDS = itertools.count(1)
+
+
+@dataclass
+class SyncConfig:
+    """How weights reach the engines. `transport` None: `choose_transport` decides."""
+
+    bucket_mb: float = 64.0
+    transport: str | None = None
+    colocated: bool = False
+    timeout_s: float = 120.0
+    verify_first: bool = True
+    verify_every: bool = False
+    verify_tolerance: float = 1e-3  # max |engine - policy| logprob for float32 engines
+    verify_tolerance_16bit: float = 0.15  # the same for bfloat16 / float16 engines
+    verify_num_seqs: int = 2
+    verify_seq_len: int = 24
+
+    @classmethod
+    def from_config(cls, cfg: Any, **overrides: Any) -> SyncConfig:
+        """From the run's rollout section (`sync_bucket_mb`, `verify_first_sync`, `verify_every_sync`, ...)."""
+        get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
+        kw = {"bucket_mb": get("sync_bucket_mb"), "verify_first": get("verify_first_sync"),
+              "verify_every": get("verify_every_sync"), "verify_tolerance": get("verify_tolerance"),
+              "transport": get("sync_transport"), "timeout_s": get("sync_timeout_s")}
+        return cls(**{k: v for k, v in kw.items() if v is not None}, **overrides)
+
+
+class WeightSyncer:
+    """Syncs one policy WorkerGroup into the engines of a RolloutGroup (see weight_sync.py for the design)."""
+
+    def __init__(self, policy_group: Any, rollout: Any, config: SyncConfig | None = None) -> None:
+        self.policy, self.rollout = policy_group, rollout
+        self.cfg = config or SyncConfig()
+        self.num_syncs = 0
+        self.generation = 0
+        infos = getattr(policy_group, "infos", None) or [{"rank": 0, "dp_rank": 0, "tp_rank": 0, "pp_rank": 0}]
+        pp = max(i["pp_rank"] for i in infos) + 1
+        self.source_ranks = [next(i["rank"] for i in infos if i["tp_rank"] == 0 and i["dp_rank"] == 0
+                                  and i["pp_rank"] == s) for s in range(pp)]
+        self.transport = choose_transport(torch.cuda.is_available(), self.cfg.colocated, self.cfg.transport)
+        self._verify_seqs: list[list[int]] | None = None
+
+    def session(self, **overrides: Any) -> SyncSession:
+        host, port = self.rollout.sync_endpoint()
+        fields = dict(sync_id=next(_IDS), transport=self.transport, host=host, port=port,
+                      num_receivers=self.rollout.num_engines, source_ranks=list(self.source_ranks),
+                      generation=self.generation, bucket_bytes=int(self.cfg.bucket_mb * (1 << 20)),
+                      dtype=self.rollout.dtype, timeout_s=self.cfg.timeout_s)
+        fields.update(overrides)
+        return SyncSession(**fields)
+
+    def sync(self, verify: bool | None = None, **session_overrides: Any) -> dict[str, Any]:
+        """Push the policy's current weights into every engine; verify when asked (default: first sync)."""
+        t0 = time.perf_counter()
+        session = self.session(**session_overrides)
+        fut = self.policy.send_weights_to_rollout.remote(session)
+        try:
+            recv = self.rollout.receive_weights(session)
+        except Exception as exc:
+            self.generation += 1
+            self._drain_policy(fut, session)
+            raise _as_sync_error(exc, session) from exc
+        try:
+            sent = fut.get(timeout_s=session.timeout_s + 30.0)
+        except Exception as exc:
+            self.generation += 1
+            raise _as_sync_error(exc, session) from exc
+        elapsed = time.perf_counter() - t0
+        self.num_syncs += 1
+        src = [s for s in sent if s and s.get("source")]
+        stats = {
+            "sync/time_s": elapsed,
+            "sync/bytes": float(sum(s["bytes"] for s in src)),
+            "sync/buckets": float(sum(s["buckets"] for s in src)),
+            "sync/max_bucket_mb": max(s["max_bucket_bytes"] for s in src) / (1 << 20) if src else 0.0,
+            "sync/receive_s": max(r["time_s"] for r in recv),
+        }
+        if verify is None:
+            verify = (self.cfg.verify_first and self.num_syncs == 1) or self.cfg.verify_every
+        if verify:
+            stats["sync/verify_max_abs_diff"] = self.verify()
+        log.info("weight sync %d: %.3fs, %.1f MB in %d buckets", self.num_syncs, elapsed,
+                 stats["sync/bytes"] / 1e6, int(stats["sync/buckets"]))
+        return stats
+
+    def _drain_policy(self, fut: Any, session: SyncSession) -> None:
+        """After a receive failure, let the policy's send finish (it drains and raises); never hang."""
+        try:
+            fut.get(timeout_s=session.timeout_s + 30.0)
+        except Exception as exc:  # noqa: BLE001 - the receive error is the one reported
+            log.warning("policy side of the failed weight sync: %s", str(exc).splitlines()[0])
+
+    # ---- verification ------------------------------------------------------------------------
+    def verification_sequences(self) -> list[list[int]]:
+        """Fixed token sequences (seeded; same for every sync) over the engine's vocabulary."""
+        if self._verify_seqs is None:
+            g = torch.Generator().manual_seed(1234)
+            vocab = self.rollout.vocab_size
+            self._verify_seqs = torch.randint(0, vocab, (self.cfg.verify_num_seqs, self.cfg.verify_seq_len),
+                                              generator=g).tolist()
+        return self._verify_seqs
+
+    def verify(self) -> float:
+        """Max |engine - policy| logprob over the fixed sequences; raises WeightSyncError above tolerance."""
+        seqs = self.verification_sequences()
+        diff = compare_logprobs(self.policy, self.rollout, seqs)
+        tol = self.cfg.verify_tolerance if self.rollout.dtype == "float32" else self.cfg.verify_tolerance_16bit
+        if not diff <= tol:
+            raise WeightSyncError(
+                f"weight sync verification failed: the rollout engines' logprobs differ from the policy's "
+                f"compute_logprobs by up to {diff:.3g} (tolerance {tol:g}, engine dtype {self.rollout.dtype}) "
+                f"on {len(seqs)} fixed sequences after sync {self.num_syncs}")
+        return diff
+
+
+def compare_logprobs(policy_group: Any, rollout: Any, seqs: list[list[int]], prompt_len: int = 4) -> float:
+    """Max abs difference between every engine's and the policy's logprobs of the tokens after `prompt_len`."""
+    ids = torch.tensor(seqs, dtype=torch.long)
+    batch = Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                   "responses": ids[:, prompt_len:].clone(), "response_mask": torch.ones_like(ids[:, prompt_len:])})
+    pol = policy_group.compute_logprobs(batch)["logprobs"].float()
+    worst = 0.0
+    for eng in rollout.score_all(seqs):
+        got = torch.tensor(eng, dtype=torch.float32)[:, prompt_len - 1:]
+        worst = max(worst, float((got - pol).abs().max()))
+    return worst
+
+
+def _as_sync_error(exc: BaseException, session: SyncSession) -> WeightSyncError:
+    if isinstance(exc, WeightSyncError):
+        return exc
+    text = str(exc)
+    inner = WeightSyncTimeout if (is_timeout(exc) or "WeightSyncTimeout" in text) else WeightSyncError
+    where = (f"rollout ranks 0..{session.num_receivers - 1} <- policy ranks {session.source_ranks} "
+             f"({session.transport}, timeout {session.timeout_s:g}s)")
+    return inner(f"weight sync {'timed out' if inner is WeightSyncTimeout else 'failed'}: {where}: {text}")

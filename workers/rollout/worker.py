@@ -1,0 +1,207 @@
+"""`RolloutWorker`: one vLLM engine that samples responses; a plain object or a Ray actor."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from workers.batch import Batch
+from workers.rollout import engine_ops
+from workers.rollout.config import EngineConfig, cuda_available, llm_kwargs, prepare_env
+from workers.rollout.prompts import build_output, normalise
+from workers.rollout.sampling import SamplingConfig
+
+log = logging.getLogger(__name__)
+
+
+class RolloutWorker:
+    """A vLLM `LLM` built from the policy's HF folder (config + tokenizer).
+
+    Use it in-process (`RolloutWorker(cfg)`) or as an actor (`RolloutWorker.remote(cfg)` /
+    `ray.remote(RolloutWorker)`); every public method is one call, so a generate is one Ray round trip.
+    """
+
+    def __init__(self, config: EngineConfig | dict[str, Any], rank: int = 0) -> None:
+        cfg = config if isinstance(config, EngineConfig) else EngineConfig(**config)
+        self.cfg = cfg.validate()
+        self.rank = rank
+        self.work_dir = prepare_env(cfg)
+        if cfg.num_threads and not cuda_available():
+            torch.set_num_threads(cfg.num_threads)
+        from vllm import LLM
+
+        t0 = time.perf_counter()
+        self.llm = LLM(**llm_kwargs(cfg))
+        self.startup_s = time.perf_counter() - t0
+        self.tokenizer = self.llm.get_tokenizer()
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
+        self.asleep = False
+        self.dirty: str | None = None  # set when a weight update failed midway
+        self.num_syncs = 0
+        self._sync_endpoint: Any = None
+
+    def __repr__(self) -> str:  # Ray prefixes the actor's log lines with it
+        return f"rollout/{self.rank}"
+
+    # ---- construction helpers -------------------------------------------------------------------
+    @classmethod
+    def remote(cls, config: EngineConfig | dict[str, Any], rank: int = 0, **options: Any):
+        """Start the worker as a Ray actor with the config's CPU/GPU resources (`options` override)."""
+        import ray
+
+        cfg = config if isinstance(config, EngineConfig) else EngineConfig(**config)
+        opts = {"num_cpus": cfg.num_cpus, "num_gpus": cfg.num_gpus, **options}
+        return ray.remote(cls).options(**opts).remote(cfg, rank)
+
+    # ---- rollout ---------------------------------------------------------------------------------
+    def generate(self, prompts: Batch | Sequence[Any], sampling: SamplingConfig | dict | None = None) -> Batch:
+        """Sample `sampling.n` responses per prompt.
+
+        `prompts`: a Batch with meta `prompt_ids` (token-id lists, not re-tokenised), `messages` (chat
+        messages; the chat template is applied) or `prompt` (raw text, or chat messages), plus any
+        per-prompt fields (e.g. `ground_truth`), which come back repeated n times; or a plain list.
+        Returns B = len(prompts) * n rows, the samples of a prompt contiguous: tensors `input_ids`
+        [B, P+R] (prompt left-padded to P, response right-padded to R with the pad id), `attention_mask`,
+        `responses` [B, R], `response_mask` (1 on response tokens incl. EOS), `rollout_logprobs` [B, R]
+        (sampled-token logprobs, 0 on padding); meta `prompt` (text), `response_text`, `finish_reason`,
+        `group_id` (index of the source prompt); info `rollout/*` timings.
+        """
+        sp = _sampling(sampling)
+        self._check_awake()
+        t0 = time.perf_counter()
+        p = normalise(prompts, self.tokenizer)
+        # vLLM refuses n > 1 with greedy sampling: send each prompt n times with n = 1 instead.
+        per = 1 if sp.n > 1 and sp.temperature == 0 else sp.n
+        copies = sp.n // per
+        one = sp if per == sp.n else sp.with_(n=1)
+        params = [one.to_vllm(seed=None if sp.seed is None else sp.seed + i * per) for i in range(len(p.ids) * copies)]
+        reqs = [{"prompt_token_ids": ids} for ids in p.ids for _ in range(copies)]
+        t1 = time.perf_counter()
+        results = self.llm.generate(reqs, params, use_tqdm=False)
+        t2 = time.perf_counter()
+        comps = [[c for r in results[i:i + copies] for c in sorted(r.outputs, key=lambda c: c.index)]
+                 for i in range(0, len(results), copies)]
+        out = build_output(p, comps, sp.n, self.pad_id)
+        n_tok = int(out.tensors["response_mask"].sum())
+        out.info.update({
+            "rollout/generate_s": t2 - t1,
+            "rollout/total_s": time.perf_counter() - t0,
+            "rollout/response_tokens": n_tok,
+            "rollout/tokens_per_s": n_tok / max(t2 - t1, 1e-9),
+        })
+        return out
+
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Logprob of every token after the first, under the engine's current weights (prompt logprobs)."""
+        from vllm import SamplingParams
+
+        self._check_awake()
+        sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        res = self.llm.generate([{"prompt_token_ids": list(map(int, s))} for s in sequences], sp, use_tqdm=False)
+        out = []
+        for seq, r in zip(sequences, res):
+            steps = r.prompt_logprobs[1:]
+            out.append([float(step[int(t)].logprob) for step, t in zip(steps, seq[1:])])
+        return out
+
+    # ---- weights ---------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load HF-named tensors in place (any subset of whole layers), then reset the prefix cache."""
+        try:
+            n = self.llm.collective_rpc(engine_ops.reload_on_worker, args=(weights,))[0]
+        except BaseException as exc:
+            self.dirty = f"{type(exc).__name__}: {exc}"
+            raise
+        self.dirty = None
+        self.llm.reset_prefix_cache()
+        return n
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def open_sync_endpoint(self) -> tuple[str, int]:
+        """Host the control store of weight sync in this process; return (host, port). Idempotent."""
+        from workers.rollout.transport import SyncEndpoint
+
+        if self._sync_endpoint is None:
+            self._sync_endpoint = SyncEndpoint.open()
+        return self._sync_endpoint.address
+
+    def receive_weights(self, session: Any) -> dict[str, Any]:
+        """Receive side of `sync_weights`: stream buckets from the policy into the engine (one reload)."""
+        from workers.rollout.weight_sync import receive_into
+
+        if self.asleep:
+            self.wake_up(tags=["weights"])
+        try:
+            stats = receive_into(self, session)
+        except BaseException as exc:
+            self.dirty = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            raise
+        self.dirty = None
+        self.num_syncs += 1
+        return stats
+
+    # ---- sleep / wake (GPU colocation) -----------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """GPU: free KV cache (and weights at level 2) while the policy trains. CPU: a documented no-op."""
+        if cuda_available() and self.cfg.enable_sleep_mode and not self.asleep:
+            self.llm.sleep(level=level)
+            self.asleep = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """GPU: re-allocate what `sleep` freed (`tags` e.g. ["weights"] before a sync). CPU: no-op."""
+        if cuda_available() and self.cfg.enable_sleep_mode and self.asleep:
+            self.llm.wake_up(tags=tags)
+            self.asleep = tags is not None and "kv_cache" not in tags
+
+    def _check_awake(self) -> None:
+        if self.dirty:
+            raise RuntimeError(f"rollout rank {self.rank}: a weight update failed midway ({self.dirty}); "
+                               f"the engine holds a mix of old and new weights, so sync again first")
+        if self.asleep:
+            raise RuntimeError(f"rollout rank {self.rank}: the engine is asleep; call wake_up() first")
+
+    # ---- misc ------------------------------------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        """The engine settings actually in force (for logs and benchmarks)."""
+        vc = self.llm.llm_engine.vllm_config
+        return {
+            "rank": self.rank,
+            "dtype": str(vc.model_config.dtype).replace("torch.", ""),
+            "max_num_seqs": vc.scheduler_config.max_num_seqs,
+            "max_num_batched_tokens": vc.scheduler_config.max_num_batched_tokens,
+            "chunked_prefill": bool(getattr(vc.scheduler_config, "enable_chunked_prefill", False)),
+            "prefix_caching": bool(vc.cache_config.enable_prefix_caching),
+            "kv_cache_bytes": vc.cache_config.kv_cache_memory_bytes,
+            "max_model_len": vc.model_config.max_model_len,
+            "threads": torch.get_num_threads(),
+            "device": "cuda" if cuda_available() else "cpu",
+            "vocab_size": int(vc.model_config.get_vocab_size()),
+            "startup_s": round(self.startup_s, 2),
+        }
+
+    def ping(self) -> int:
+        return self.rank
+
+    def shutdown(self) -> None:
+        """Release the engine (in-process use); safe to call twice."""
+        if getattr(self, "llm", None) is not None:
+            del self.llm
+            self.llm = None
+            import gc
+
+            gc.collect()
+
+
+def _sampling(sampling: SamplingConfig | dict | None) -> SamplingConfig:
+    if sampling is None:
+        return SamplingConfig().validate()
+    if isinstance(sampling, dict):
+        return SamplingConfig(**sampling).validate()
+    return sampling.validate()

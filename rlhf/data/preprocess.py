@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from rlhf.data.indexed import IndexedWriter, token_dtype
 from rlhf.data.jsonl import check_input_file, get_text, iter_lines, parse_line
@@ -56,28 +59,43 @@ def _init_worker(tokenizer_spec: Any, json_key: str, is_jsonl: bool, append_eod:
     _worker.update(tok=tok, key=json_key, jsonl=is_jsonl, eod=eod_id(tok) if append_eod else None)
 
 
-def _encode_chunk(chunk: list[tuple[int, str]]) -> list[tuple[int, list[int] | None, str | None]]:
-    """(line number, ids or None, error or None) for each line of the chunk, tokenised as one batch."""
-    out: list[tuple[int, list[int] | None, str | None]] = []
+@dataclass
+class EncodedChunk:
+    """A chunk's result: its documents' ids concatenated (cheap to send between processes) and lengths."""
+
+    lines: int
+    ids: np.ndarray
+    lengths: np.ndarray
+    errors: list[tuple[int, str]]  # (line number, reason)
+
+    def documents(self) -> Iterator[np.ndarray]:
+        start = 0
+        for n in self.lengths.tolist():
+            yield self.ids[start : start + n]
+            start += n
+
+
+def _encode_chunk(chunk: list[tuple[int, str]]) -> EncodedChunk:
+    """Parse and tokenise the chunk's lines as one batch; empty documents get length 0."""
     texts: list[str] = []
-    where: list[int] = []
+    errors: list[tuple[int, str]] = []
     for lineno, line in chunk:
         text, err = line, None
         if _worker["jsonl"]:
             obj, err = parse_line(line)
             if err is None:
                 text, err = get_text(obj, _worker["key"])
-        out.append((lineno, None, err))
         if err is None:
-            where.append(len(out) - 1)
             texts.append(text)
-    if texts:
-        encoded = _worker["tok"](texts)["input_ids"]
-        for i, ids in zip(where, encoded):
-            if ids and _worker["eod"] is not None:  # as Megatron: no eod on an empty document
-                ids = list(ids) + [_worker["eod"]]
-            out[i] = (out[i][0], list(ids), None)
-    return out
+        else:
+            errors.append((lineno, err))
+    docs = _worker["tok"](texts)["input_ids"] if texts else []
+    eod = _worker["eod"]
+    if eod is not None:  # as Megatron: no eod on an empty document
+        docs = [ids + [eod] if ids else ids for ids in docs]
+    lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
+    ids = np.fromiter((t for d in docs for t in d), dtype=np.int64, count=int(lengths.sum()))
+    return EncodedChunk(len(chunk), ids, lengths, errors)
 
 
 def preprocess_pretrain(
@@ -88,7 +106,7 @@ def preprocess_pretrain(
     workers: int = 1,
     append_eod: bool = False,
     strict: bool = False,
-    chunk_size: int = 64,
+    chunk_size: int = 256,
     progress: bool = True,
 ) -> tuple[str, PreprocessStats]:
     """Tokenise `input_path` into `<output_prefix>_<json_key>_document.{bin,idx}`; return (prefix, stats).
@@ -111,15 +129,15 @@ def preprocess_pretrain(
         for results in imap_chunks(
             _encode_chunk, iter_lines(path), workers, _init_worker, initargs, chunk_size
         ):
-            for lineno, ids, err in results:
-                stats.lines += 1
-                if err is not None:
-                    report_malformed(stats, f"{path}:{lineno}: {err}", strict)
-                elif not ids:
-                    stats.empty += 1
-                else:
+            for lineno, err in results.errors:
+                report_malformed(stats, f"{path}:{lineno}: {err}", strict)
+            for ids in results.documents():
+                if ids.size:
                     writer.add(ids)
-            bar.update(len(results))
+                else:
+                    stats.empty += 1
+            stats.lines += results.lines
+            bar.update(results.lines)
         bar.close()
         stats.docs, stats.tokens = writer.num_docs, writer.num_tokens
         if stats.tokens == 0:

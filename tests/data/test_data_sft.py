@@ -221,3 +221,23 @@ def test_bad_sft_input(tmp_path, tok_dir):
         SFTDataset(f, tmp_path / "no_tok", 64)
     with pytest.raises(UserError, match="seq_length"):
         SFTDataset(f, tok_dir, 0)
+
+
+def test_packing_keeps_each_sample_loss_through_megatron(sft_file, tok_dir):
+    """The packed batch as the Megatron engine consumes it: local spec, bool [B,1,S,S] mask on CPU."""
+    from tests.data.mcore_sft_fns import packed_and_unpacked_losses
+    from workers.megatron.testing import run_distributed
+
+    packed = SFTDataset(sft_file, tok_dir, seq_length=96, pack=True)
+    batch = packed.collate([packed[j] for j in range(len(packed))])
+    batch = {k: v for k, v in batch.items() if k != "max_seqlen"}
+    order = [i for row in packed.rows for i in row]
+    samples = [packed.sample(i) for i in order]
+    got, alone = run_distributed(packed_and_unpacked_losses, 1, args=(tok_dir, batch, samples))[0]
+    segments = []  # per-segment losses without the padding segments
+    k = 0
+    for row in packed.rows:
+        segments += got[k : k + len(row)]
+        k += len(row) + (1 if sum(packed.lengths[i] for i in row) < 96 else 0)
+    assert min(alone) > 1.0
+    assert segments == pytest.approx(alone, rel=1e-5, abs=1e-5)

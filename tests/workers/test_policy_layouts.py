@@ -19,7 +19,8 @@ from workers.group import WorkerDiedError, WorkerGroup
 from workers.roles import PolicyWorker, fetch_state_dict
 
 LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "dp2": (1, 1, 2)}
-OPTIM = {"lr": 1e-3, "clip_grad": 1.0, "weight_decay": 0.0}
+OPTIM = {"lr": 1e-4, "clip_grad": 1.0, "weight_decay": 0.0}  # Adam amplifies tiny grad noise by lr/eps
+DIST_OPT = {"tp1", "dp2"}  # these two use megatron's distributed optimizer, tp2 / pp2 the plain one
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,8 @@ def env(tmp_path_factory, tiny_model_factory):
             groups[name] = WorkerGroup(
                 "policy", PolicyWorker, tp=tp, pp=pp, dp=dp, name=f"policy-{name}", num_cpus_per_worker=0.5,
                 timeout_s=120, log_dir=log_dir,
-                init_kwargs={"model_path": path, "micro_batch_size": 4, "optim": OPTIM},
+                init_kwargs={"model_path": path, "micro_batch_size": 4,
+                             "optim": {**OPTIM, "use_distributed_optimizer": name in DIST_OPT}},
             )
         yield {"path": path, "groups": groups, "tmp": tmp_path_factory.mktemp("ckpt")}
     finally:
@@ -74,14 +76,14 @@ def test_train_step_same_update_across_layouts(env):
         weights[name] = fetch_state_dict(g.state_dict_for_rollout(bucket_mb=1.0))
     base = weights["tp1"]
     assert metrics["tp1"]["num_steps"] == 2 and metrics["tp1"]["skipped_steps"] == 0
-    assert max((base[k] - initial[k]).abs().max().item() for k in base) > 1e-4  # the step did move weights
+    assert max((base[k] - initial[k]).abs().max().item() for k in base) > 5e-5  # the steps did move the weights
     for name in ("tp2", "pp2", "dp2"):
         assert weights[name].keys() == base.keys(), name
         diff = max((weights[name][k] - base[k]).abs().max().item() for k in base)
         print(f"{name}: max |param - tp1 param| = {diff:.2e}")
         assert diff <= 1e-5, (name, diff)
         for key in ("loss", "grad_norm", "clipfrac"):
-            assert metrics[name][key] == pytest.approx(metrics["tp1"][key], abs=1e-5), (name, key)
+            assert metrics[name][key] == pytest.approx(metrics["tp1"][key], rel=1e-5, abs=1e-6), (name, key)
 
 
 def test_checkpoint_round_trip_and_reshard(env, tmp_path):
@@ -102,6 +104,19 @@ def test_checkpoint_round_trip_and_reshard(env, tmp_path):
     assert again["grad_norm"] == pytest.approx(after_one["grad_norm"], rel=1e-5)
     tp2.load_checkpoint(ckpt, load_optimizer=False)  # a TP1 checkpoint into a PP2 layout
     assert (tp2.compute_logprobs(batch)["logprobs"] - saved).abs().max() <= 1e-5
+
+
+def test_distributed_optimizer_checkpoint_loads_at_another_dp(env, tmp_path):
+    dp2, tp1 = env["groups"]["dp2"], env["groups"]["tp1"]
+    batch = make_rl_batch(n=8, seed=8)
+    batch["old_logprobs"] = dp2.compute_logprobs(batch)["logprobs"]
+    dp2.save_checkpoint(str(tmp_path / "dp2"))
+    meta = tp1.load_checkpoint(str(tmp_path / "dp2"))  # model + distributed optimizer state, DP 2 -> 1
+    assert meta["layout"]["dp"] == 2
+    for g in (dp2, tp1):
+        g.train_step(batch, {"mini_batches": 2})
+    a, b = (fetch_state_dict(g.state_dict_for_rollout()) for g in (dp2, tp1))
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
 
 
 def test_nonfinite_step_is_skipped(env):

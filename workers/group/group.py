@@ -14,6 +14,7 @@ blocked in a collective (results are polled with `ray.wait`, never waited on one
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -341,6 +342,8 @@ class WorkerGroup:
 
 
 def _first_lines(text: str, n: int) -> str:
-    lines = text.strip().splitlines()
+    """The first `n` lines of a (remote) error text, without colour codes and caret-only lines."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
+    lines = [ln for ln in text.strip().splitlines() if ln.strip().strip("^~")]
     return "\n".join(lines[:n]) + (f"\n... ({len(lines) - n} more lines)" if len(lines) > n else "")
 

@@ -333,6 +333,7 @@ class MegatronEngine:
             self.module.load_state_dict(loaded["model"])
             if with_opt:
                 self.optimizer.load_state_dict(loaded["optimizer"])
+                _restore_adam_steps(self.optimizer)
         if with_opt and "scheduler" in common and self.scheduler is not None:
             self.scheduler.load_state_dict(common["scheduler"])
         if with_opt:
@@ -374,6 +375,32 @@ class MegatronEngine:
         return {"params_local": sum(p.numel() for p in self.module.parameters()), "dtype": str(self.dtype),
                 "value_head": self.value_head, "trainable": self.trainable, **self._layout(),
                 "optim": asdict(self.optim) if self.trainable else None}
+
+
+def _restore_adam_steps(optimizer: Any) -> None:
+    """Give every parameter its own Adam `step` tensor after a checkpoint load.
+
+    megatron-core 0.16.1's distributed optimizer (torch AdamW fallback without Apex/TE) loads the step
+    as ONE tensor shared by every parameter's state; torch's AdamW then increments it in place once
+    per parameter, so after the first step each parameter has a different, wrong step (bias
+    correction off; measured 3e-4 weight error after one step at lr 1e-3). Each parameter gets a
+    private copy of the saved step (the param group's `step` when present).
+    """
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        if inner is None:
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                state = inner.state.get(p)
+                if not state or "step" not in state:
+                    continue
+                saved = group.get("step", state["step"])
+                value = float(saved.item() if isinstance(saved, torch.Tensor) else saved)
+                if isinstance(state["step"], torch.Tensor):
+                    state["step"] = torch.tensor(value, dtype=state["step"].dtype, device=state["step"].device)
+                else:
+                    state["step"] = value
 
 
 class _ValueHeadSource(HFTensorSource):

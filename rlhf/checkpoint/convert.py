@@ -87,7 +87,6 @@ def hf_to_mcore(
 ) -> Path:
     """Convert a HF folder into a converted megatron checkpoint folder (see workers.megatron.mcore_checkpoint)."""
     from rlhf.checkpoint.rank_fns import hf_to_mcore_rank
-    from workers.megatron.mcore_checkpoint import HF_SUBDIR, CheckpointMeta, write_meta
     from workers.megatron.model_provider import DEFAULT_VOCAB_DIVISOR, padded_vocab_size
     from workers.megatron.testing import run_distributed
 
@@ -96,14 +95,23 @@ def hf_to_mcore(
     padded = padded_vocab_size(cfg.vocab_size, tp, DEFAULT_VOCAB_DIVISOR)
     run_distributed(hf_to_mcore_rank, tp * pp, args=(str(hf_dir), str(out), dtype, padded), tp=tp, pp=pp,
                     timeout_s=timeout_s)
-    (out / HF_SUBDIR).mkdir()
+    finish_mcore_checkpoint(out, hf_dir, cfg, tp, pp, dtype, padded)
+    return out
+
+
+def finish_mcore_checkpoint(out: Path, hf_dir: str | Path, cfg, tp: int, pp: int, dtype: str, padded: int) -> None:
+    """After `out/model` is saved: copy the HF config and tokenizer files to `out/hf`, then write the
+    metadata file (last, marking the checkpoint complete)."""
+    from workers.megatron.mcore_checkpoint import HF_SUBDIR, CheckpointMeta, write_meta
+    from workers.megatron.model_provider import DEFAULT_VOCAB_DIVISOR
+
+    (out / HF_SUBDIR).mkdir(exist_ok=True)
     _copy_non_weight_files(Path(hf_dir), out / HF_SUBDIR)
     meta = CheckpointMeta(
         family=cfg.model_type, tp=tp, pp=pp, vocab_size=cfg.vocab_size, padded_vocab_size=padded,
         vocab_divisible_by=DEFAULT_VOCAB_DIVISOR, dtype=dtype, tied=bool(cfg.tie_word_embeddings),
     )
     write_meta(out, meta)
-    return out
 
 
 def validate_mcore(mcore_dir: str | Path, tp: int, pp: int):

@@ -23,17 +23,17 @@ def _batch(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(7))
 
 
-def parity_and_reshard(hf_dirs: list[str], mcore_dirs: dict[str, str]) -> dict:
+def parity_and_reshard(hf_dirs: list[str], mcore_dirs: dict[str, str], save_dirs: dict[str, str]) -> dict:
     """For each HF folder: load its weights into the megatron model of this world (TP/PP), compare the
     logits with transformers, and check that `iter_hf_weights` gives back the source tensors bit-exactly.
-    For each `mcore_dirs[hf_dir]` (a converted checkpoint): load it with dist_checkpointing at this
-    world's layout and return the loss. Returns per-rank results for the parent to assert on."""
+    For each `save_dirs[hf_dir]`: save the HF-loaded model there with dist_checkpointing. For each
+    `mcore_dirs[hf_dir]` (a converted checkpoint): load it at this world's layout and return the loss. Returns per-rank results for the parent to assert on."""
     from megatron.core import parallel_state
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
     from workers.megatron.hf_weights import is_hf_weight_source, iter_hf_weights, load_hf_weights
-    from workers.megatron.mcore_checkpoint import load_model, read_meta
+    from workers.megatron.mcore_checkpoint import load_model, read_meta, save_model
     from workers.megatron.model_provider import build_gpt_model, forward_logits
 
     out: dict = {"tp_rank": parallel_state.get_tensor_model_parallel_rank(),
@@ -60,6 +60,8 @@ def parity_and_reshard(hf_dirs: list[str], mcore_dirs: dict[str, str]) -> dict:
                 mismatched.append(name)
         res["yielded"] = names if is_hf_weight_source() else []
         res["mismatched"] = mismatched
+        if hf_dir in save_dirs:
+            save_model(model, save_dirs[hf_dir])
         if hf_dir in mcore_dirs:
             meta = read_meta(mcore_dirs[hf_dir])
             model2 = build_gpt_model(cfg, padded_vocab=meta.padded_vocab_size, perform_initialization=False)
@@ -68,4 +70,28 @@ def parity_and_reshard(hf_dirs: list[str], mcore_dirs: dict[str, str]) -> dict:
             if logits2 is not None:
                 res["ckpt_loss"] = _loss(logits2, ids, cfg.vocab_size)
         out["models"][hf_dir] = res
+    out["value"] = _value_model_check(hf_dirs[0], ids=_batch(64))
     return out
+
+
+def _value_model_check(hf_dir: str, ids: torch.Tensor) -> dict:
+    """A value model loaded from a causal-LM folder: values equal HF's final hidden state @ head weight."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from workers.megatron.hf_weights import load_hf_weights
+    from workers.megatron.model_provider import build_gpt_model, forward_logits
+
+    cfg = AutoConfig.from_pretrained(hf_dir)
+    model = build_gpt_model(cfg, value_head=True)
+    filled = load_hf_weights(model, hf_dir, cfg)
+    values = forward_logits(model, ids)
+    res: dict = {"filled": len(filled), "n_params": len(list(model.parameters()))}
+    if values is not None:
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+        with torch.no_grad():
+            hidden = hf(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+        ref = hidden @ model.output_layer.weight.detach().T
+        res["shape"] = tuple(values.shape)
+        res["max_abs_diff"] = (values - ref).abs().max().item()
+        res["head"] = model.output_layer.weight.detach().clone()
+    return res

@@ -1,7 +1,7 @@
 """Issue 3: HF <-> megatron-core conversion for dense Llama and Qwen2 (real transformers vs megatron-core).
 
-Spawned worlds: TP1, TP2 and PP2 parity worlds (each also loads TP1 dist checkpoints), plus the
-conversions the CLI runs (hf-to-mcore TP1 x2 and TP2xPP2, mcore-to-hf TP1 and TP2xPP2).
+Spawned worlds: TP1 (also saves TP1 dist checkpoints), TP2 and PP2 (also load them) parity worlds, plus the
+conversions the CLI runs (hf-to-mcore TP2xPP2, mcore-to-hf TP1 and PP2).
 """
 
 from __future__ import annotations
@@ -41,24 +41,32 @@ def models(tmp_path_factory) -> dict[str, Path]:
     return {"qwen": qwen, "llama": llama, "qwen_pad": _pad_variant(qwen, root / "qwen_pad", 500), "root": root}
 
 
-@pytest.fixture(scope="module")
-def tp1_ckpts(models) -> dict[str, str]:
-    """TP1/PP1 converted checkpoints of tiny-qwen2 and tiny-llama, written through the CLI."""
-    out = {}
-    for key in ("qwen", "llama"):
-        dst = models["root"] / f"{key}_tp1"
-        assert cli(["convert", "hf-to-mcore", "--hf", str(models[key]), "--out", str(dst)]) == 0
-        out[str(models[key])] = str(dst)
-    return out
-
-
 def _hf_dirs(models) -> list[str]:
     return [str(models[k]) for k in ("qwen", "llama", "qwen_pad")]
 
 
+@pytest.fixture(scope="module")
+def tp1_world(models) -> tuple[list[dict], dict[str, str]]:
+    """The TP1 parity world; it also saves TP1 dist checkpoints of tiny-qwen2 and tiny-llama (with the
+    converter's metadata) for the resharding checks of the TP2 / PP2 worlds."""
+    from transformers import AutoConfig
+
+    from rlhf.checkpoint.convert import finish_mcore_checkpoint
+
+    ckpts = {str(models[k]): str(models["root"] / f"{k}_tp1") for k in ("qwen", "llama")}
+    ranks = run_distributed(parity_and_reshard, 1, args=(_hf_dirs(models), {}, ckpts))
+    for hf_dir, ckpt in ckpts.items():
+        finish_mcore_checkpoint(Path(ckpt), hf_dir, AutoConfig.from_pretrained(hf_dir), 1, 1, "float32", 512)
+    return ranks, ckpts
+
+
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "pp2"])
-def test_logits_match_hf_and_weights_round_trip(models, tp1_ckpts, tp, pp):
-    ranks = run_distributed(parity_and_reshard, tp * pp, args=(_hf_dirs(models), tp1_ckpts), tp=tp, pp=pp)
+def test_logits_match_hf_and_weights_round_trip(models, tp1_world, tp, pp):
+    tp1_ranks, tp1_ckpts = tp1_world
+    if tp * pp == 1:
+        ranks = tp1_ranks
+    else:
+        ranks = run_distributed(parity_and_reshard, tp * pp, args=(_hf_dirs(models), tp1_ckpts, {}), tp=tp, pp=pp)
     for hf_dir in _hf_dirs(models):
         per_rank = [r["models"][hf_dir] for r in ranks]
         cfg = json.loads((Path(hf_dir) / "config.json").read_text())
@@ -70,10 +78,16 @@ def test_logits_match_hf_and_weights_round_trip(models, tp1_ckpts, tp, pp):
         for r in last:
             assert r["max_abs_diff"] <= 1e-4, (hf_dir, tp, pp, r["max_abs_diff"])
             assert r["padded_vocab"] == 512
-            if hf_dir in tp1_ckpts:  # TP1 checkpoint loaded at this layout gives the HF loss
+            if tp * pp > 1 and hf_dir in tp1_ckpts:  # the TP1 checkpoint at this layout gives the HF loss
                 assert abs(r["ckpt_loss"] - r["hf_loss"]) < 1e-5, (r["ckpt_loss"], r["hf_loss"])
         yielded = [n for r in per_rank for n in r["yielded"]]
         assert sorted(yielded) == sorted(expected_hf_shapes(cfg)), "source ranks must cover every tensor once"
+    # Value model (critic) from the causal-LM folder: the LM head is dropped, the value head kept.
+    values = [r["value"] for r in ranks]
+    assert all(v["filled"] == v["n_params"] - (1 if "shape" in v else 0) for v in values)
+    last = [v for v in values if "shape" in v]
+    assert len(last) == tp and all(v["shape"] == (2, 24, 1) and v["max_abs_diff"] <= 1e-4 for v in last)
+    assert all(torch.equal(v["head"], last[0]["head"]) for v in last)  # replicated over TP
 
 
 def _assert_same_hf(a: Path, b: Path) -> None:
@@ -88,7 +102,8 @@ def _assert_same_hf(a: Path, b: Path) -> None:
         assert (a / f).read_bytes() == (b / f).read_bytes(), f
 
 
-def test_round_trip_bit_exact(models, tp1_ckpts, tmp_path):
+def test_round_trip_bit_exact(models, tp1_world, tmp_path):
+    _, tp1_ckpts = tp1_world
     # Qwen2 (tied, qkv bias): HF -> mcore at TP2 x PP2 -> HF (loaded at TP1).
     m = tmp_path / "qwen_tp2pp2"
     assert cli(["convert", "hf-to-mcore", "--hf", str(models["qwen"]), "--out", str(m), "--tp", "2", "--pp", "2"]) == 0
@@ -99,10 +114,10 @@ def test_round_trip_bit_exact(models, tp1_ckpts, tmp_path):
     assert cli(["convert", "mcore-to-hf", "--mcore", str(m), "--out", str(back)]) == 0
     assert load_file(back / "model.safetensors").keys() == load_file(models["qwen"] / "model.safetensors").keys()
     _assert_same_hf(models["qwen"], back)
-    # Llama (untied): the TP1 checkpoint exported at TP2 x PP2 (one file per stage plus an index).
+    # Llama (untied): the TP1 checkpoint exported at PP2 (one file per stage plus an index).
     back2 = tmp_path / "llama_back"
     llama_ckpt = tp1_ckpts[str(models["llama"])]
-    assert cli(["convert", "mcore-to-hf", "--mcore", llama_ckpt, "--out", str(back2), "--tp", "2", "--pp", "2"]) == 0
+    assert cli(["convert", "mcore-to-hf", "--mcore", llama_ckpt, "--out", str(back2), "--pp", "2"]) == 0
     assert (back2 / "model.safetensors.index.json").is_file()
     _assert_same_hf(models["llama"], back2)
 

@@ -103,16 +103,25 @@ def load_hf_weights(
     `source` is a HF model folder (safetensors), a state dict, or an `HFTensorSource`. With `check`,
     first verifies the source against the config (every tensor present once with the right shape, none
     extra). Raises ValueError naming the tensor or parameter on any mismatch. Returns the megatron
-    parameter names filled (all of them).
+    parameter names filled: all of them, except for a value model (critic / reward model) loaded from a
+    causal-LM checkpoint without `score.weight`, whose value head keeps its initial weights (the LM head
+    is dropped).
     """
     src = source if isinstance(source, HFTensorSource) else HFTensorSource(source)
     try:
+        shapes = src.shapes()
+        value_model = _is_value_model(model)
+        # A value model loaded from a causal-LM checkpoint (no `score.weight`): drop the LM head and keep
+        # the value head's initial weights.
+        from_lm = value_model and "score.weight" not in shapes
         if check:
-            check_hf_tensors(hf_config, src.shapes(), value_head=_is_value_model(model))
+            check_hf_tensors(hf_config, shapes, value_head=value_model and not from_lm)
         d = Dims.from_hf(hf_config)
         tp_rank, tp, _ = _tp()
         filled = []
         for b in bind(model, hf_config):
+            if from_lm and b.hf_names == ("score.weight",):
+                continue
             hf = [src.get(n) for n in b.hf_names]
             padded = b.param.shape[0] * tp
             shard = to_mcore_shard(b.kind, hf, d, tp_rank, tp, padded)

@@ -181,6 +181,12 @@ def build_gpt_model(
         ).to(emb.inv_freq.dtype)
     if value_head and post_process:
         model.output_layer = ValueHead(config)
+        if tp > 1:  # one init for all TP ranks: the head is replicated, and ranks' CPU RNGs may differ
+            torch.distributed.broadcast(
+                model.output_layer.weight.data,
+                src=parallel_state.get_tensor_model_parallel_src_rank(),
+                group=parallel_state.get_tensor_model_parallel_group(),
+            )
     return model
 
 

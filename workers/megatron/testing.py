@@ -9,6 +9,7 @@ calling script needs an `if __name__ == "__main__":` guard (spawn start method).
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -49,7 +50,8 @@ def _worker(
             out = fn(*args)
         finally:
             destroy_distributed()
-        results.put((rank, True, out))
+        # Plain pickle: tensors travel by value, not as shared-memory handles that die with this process.
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
         results.put((rank, False, traceback.format_exc()))
 
@@ -98,7 +100,7 @@ def run_distributed(
                 continue
             if not ok:
                 raise DistributedError(f"rank {rank} failed:\n{value}")
-            out[rank] = value
+            out[rank] = pickle.loads(value)
         for p in procs:
             p.join(timeout=30)
     finally:

@@ -16,8 +16,6 @@ COMMAND_MODULES = [
     "rlhf.commands.init_model",
     "rlhf.commands.preprocess",
     "rlhf.commands.clean",
-    "rlhf.commands.preprocess",
-    "rlhf.commands.clean",
     "rlhf.commands.convert",
     "rlhf.commands.train",
 ]

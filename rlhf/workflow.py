@@ -25,13 +25,20 @@ from workers.batch import Batch
 
 
 def loss_config(cfg: RunConfig) -> dict[str, Any]:
-    """What the policy and critic train steps need from the algorithm section."""
+    """What the policy's train step needs from the algorithm section (workers.roles.PPOLossConfig)."""
     a = cfg.algorithm
     return {
         "clip_low": a.clip_low, "clip_high": a.clip_high, "clip_c": a.clip_c, "agg_mode": a.loss_agg_mode,
         "entropy_coef": a.entropy_coef, "kl_coef": 0.0 if a.kl_in_reward else a.kl_coef, "kl_kind": a.kl_kind,
-        "ppo_epochs": a.ppo_epochs, "mini_batches": a.mini_batches, "value_clip": a.value_clip,
+        "ppo_epochs": a.ppo_epochs, "mini_batches": a.mini_batches,
     }
+
+
+def value_loss_config(cfg: RunConfig) -> dict[str, Any]:
+    """What the critic's train step needs (workers.roles.ValueLossConfig)."""
+    a = cfg.algorithm
+    return {"value_clip": a.value_clip, "agg_mode": a.loss_agg_mode, "ppo_epochs": a.ppo_epochs,
+            "mini_batches": a.mini_batches}
 
 
 def _group(role: str, rc: RoleConfig, cfg: RunConfig, run_dir: Path, worker_cls: type, pool=None, **init: Any):
@@ -43,8 +50,14 @@ def _group(role: str, rc: RoleConfig, cfg: RunConfig, run_dir: Path, worker_cls:
         num_cpus_per_worker=rc.resources.num_cpus_per_worker, num_gpus_per_worker=rc.resources.num_gpus_per_worker,
         timeout_s=cfg.trainer.timeout_s, log_dir=run_dir / "logs", seed=cfg.trainer.seed, resource_pool=pool,
         init_kwargs={"model_path": rc.model_path or cfg.model.path, "micro_batch_size": rc.micro_batch_size,
-                     "dtype": rc.dtype, "optim": asdict(rc.optim), **init},
+                     "dtype": rc.dtype, "offload": rc.offload,
+                     "optim": {**asdict(rc.optim), "total_steps": _optimizer_steps(cfg)}, **init},
     )
+
+
+def _optimizer_steps(cfg: RunConfig) -> int:
+    """Optimizer steps the LR schedule spans: one per mini-batch per PPO epoch per RL step."""
+    return max(1, cfg.trainer.total_steps * cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches)
 
 
 class PolicyHandle:
@@ -54,9 +67,9 @@ class PolicyHandle:
         self.group = group
 
     def logprobs(self, batch: Batch, key: str = "old_logprobs", entropy: bool = False) -> Batch:
-        out = self.group.compute_logprobs(batch.select(["input_ids", "attention_mask", "response_mask"]),
-                                          with_entropy=entropy)
-        batch[key] = out["logprobs"]
+        out = self.group.compute_logprobs(batch.select(["input_ids", "attention_mask", "responses", "response_mask"]),
+                                          with_entropy=entropy, key=key)
+        batch[key] = out[key]
         if entropy:
             batch["entropy"] = out["entropy"]
         return batch
@@ -68,10 +81,15 @@ class PolicyHandle:
         self.group.save_checkpoint(str(path))
 
     def load(self, path: Path, load_optim: bool = True) -> None:
-        self.group.load_checkpoint(str(path), load_optim=load_optim)
+        self.group.load_checkpoint(str(path), load_optimizer=load_optim)
 
-    def export_hf(self, path: Path) -> None:
-        self.group.export_hf(str(path))
+    def export_hf(self, path: Path, tokenizer_dir: str | None = None) -> None:
+        """Write the full weights as an HF folder (safetensors + config), plus the tokenizer files."""
+        self.group.save_hf_weights(str(path))
+        if tokenizer_dir:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
 
     def shutdown(self) -> None:
         self.group.shutdown()
@@ -79,7 +97,7 @@ class PolicyHandle:
 
 class CriticHandle(PolicyHandle):
     def values(self, batch: Batch) -> Batch:
-        out = self.group.compute_values(batch.select(["input_ids", "attention_mask", "response_mask"]))
+        out = self.group.compute_values(batch.select(["input_ids", "attention_mask", "responses", "response_mask"]))
         batch["values"] = out["values"]
         return batch
 
@@ -100,27 +118,30 @@ class RewardHandle:
         return batch
 
 
+def prompt_batch(records: list[dict[str, Any]]) -> Batch:
+    """Prompt records from `rlhf.data.prompts` as a Batch: chat `messages` (or raw `prompt`) and `ground_truth`."""
+    use_messages = all(r.get("messages") for r in records)
+    meta = {"messages": [r["messages"] for r in records]} if use_messages else {"prompt": [r["prompt"] for r in records]}
+    meta["ground_truth"] = [r.get("ground_truth") for r in records]
+    return Batch(meta=meta)
+
+
 class RolloutHandle:
-    """The vLLM rollout actor."""
+    """The vLLM rollout engines (a RolloutGroup)."""
 
-    def __init__(self, actor: Any, sampling: Any, timeout_s: float) -> None:
-        self.actor, self.sampling, self.timeout_s = actor, sampling, timeout_s
+    def __init__(self, group: Any, sampling: Any, sync_config: Any) -> None:
+        self.group, self.sampling, self.sync_config = group, sampling, sync_config
 
-    def generate(self, prompts: list[dict[str, Any]], **sampling: Any) -> Batch:
-        import ray
-
+    def generate(self, prompts: list[dict[str, Any]] | Batch, **sampling: Any) -> Batch:
+        """Sample responses for prompt records (`messages` or `prompt`, plus `ground_truth`) or a prompt Batch."""
         params = self.sampling.with_(**sampling) if sampling else self.sampling
-        return ray.get(self.actor.generate.remote(prompts, params), timeout=self.timeout_s)
+        return self.group.generate(prompts if isinstance(prompts, Batch) else prompt_batch(prompts), params)
 
-    def sync_weights(self, policy: PolicyHandle, verify: bool = False) -> dict[str, float]:
-        from workers.rollout import sync_weights
-
-        return sync_weights(self.actor, policy.group, verify=verify, timeout_s=self.timeout_s)
+    def sync_weights(self, policy: PolicyHandle, verify: bool | None = None) -> dict[str, Any]:
+        return self.group.sync_weights(policy.group, self.sync_config, verify=verify)
 
     def shutdown(self) -> None:
-        import ray
-
-        ray.kill(self.actor)
+        self.group.shutdown()
 
 
 @dataclass
@@ -135,7 +156,7 @@ class Roles:
     def create(cls, cfg: RunConfig, run_dir: str | Path) -> Roles:
         """Start every enabled role of `cfg` (Ray must be initialised)."""
         from workers.roles import CriticWorker, PolicyWorker, ReferenceWorker, RewardModelWorker
-        from workers.rollout import EngineConfig, SamplingConfig, create_rollout_actor
+        from workers.rollout import EngineConfig, RolloutGroup, SamplingConfig, SyncConfig
 
         run_dir = Path(run_dir)
         reward = RewardHandle(cfg.reward.fn)  # resolve before any worker starts
@@ -152,8 +173,9 @@ class Roles:
                 reward = RewardHandle(None, _group("reward_model", rm_cfg, cfg, run_dir, RewardModelWorker))
             engine = EngineConfig.from_config(cfg.rollout, model_path=cfg.model.path,
                                               tokenizer_path=cfg.model.tokenizer_path)
-            actor = create_rollout_actor(engine, name="rollout/engine0")
-            handles["rollout"] = RolloutHandle(actor, SamplingConfig.from_config(cfg.rollout), cfg.trainer.timeout_s)
+            group = RolloutGroup(engine, timeout_s=cfg.trainer.timeout_s)
+            handles["rollout"] = RolloutHandle(group, SamplingConfig.from_config(cfg.rollout),
+                                               SyncConfig.from_config(cfg.rollout, timeout_s=cfg.trainer.timeout_s))
         except BaseException:
             for h in handles.values():
                 h.shutdown()

@@ -151,6 +151,12 @@ class TrainerConfig:
     eval_iters: int = 2
     progress_bar: bool = True
     tensorboard: bool = True
+    # SFT / pretrain: start from a checkpoint (a run dir, its checkpoints/ folder, a step-N folder or a role
+    # folder); with --resume the run's own latest checkpoint wins. The two flags are Megatron's
+    # --no-load-optim (fresh optimizer, scheduler and step) and --no-load-rng.
+    load: Optional[str] = None
+    no_load_optim: bool = False
+    no_load_rng: bool = False
 
 
 @dataclass

@@ -146,6 +146,7 @@ def validate_config(cfg: RunConfig) -> None:
         _require(d.seq_length <= shape.max_positions, "data.seq_length",
                  f"at most the model's max_position_embeddings ({shape.max_positions})", d.seq_length)
         _check_lm_batches(cfg)
+        _check_lm_stage(cfg)
         return
     # RL
     _require(r.n >= 1, "rollout.n", "an integer >= 1 (samples per prompt)", r.n)
@@ -186,3 +187,31 @@ def _check_adv_estimator(name: str) -> None:
         get_advantage_estimator(name)
     except (KeyError, ValueError) as e:
         raise ConfigError(f"algorithm.adv_estimator: {e}") from None
+
+
+# ---- SFT / pretraining stage (config-only checks; the files are checked by rlhf.driver.lm_data) ----------
+def _check_lm_stage(cfg: RunConfig) -> None:
+    """Fields only the pretrain / sft stages read. Data files may not exist yet (data.task generates
+    them in prepare_inputs), so only their presence in the config is checked here."""
+    from rlhf.data.checks import parse_split
+    from rlhf.errors import UserError
+
+    d, t, o = cfg.data, cfg.trainer, cfg.policy.optim
+    if cfg.algorithm.name == "pretrain":
+        if not d.data_prefix and not d.task:
+            raise ConfigError("data.data_prefix: pretraining needs Megatron indexed data ([prefix] or "
+                              "[w1, prefix1, w2, prefix2, ...]; make it with `rlhf preprocess`) or data.task")
+        try:
+            parse_split(d.split)
+        except UserError as e:
+            raise ConfigError(f"data.split: {e}") from None
+    elif not d.train_file and not d.task:
+        raise ConfigError("data.train_file: SFT needs a jsonl of conversations (messages / conversations) "
+                          "or data.task")
+    _require(t.eval_iters >= 0, "trainer.eval_iters", "an integer >= 0 (0 disables validation)", t.eval_iters)
+    _require(o.max_consecutive_nonfinite >= 1, "policy.optim.max_consecutive_nonfinite", "an integer >= 1",
+             o.max_consecutive_nonfinite)
+    for flag in ("no_load_optim", "no_load_rng"):
+        if getattr(t, flag) and not t.load:
+            raise ConfigError(f"trainer.{flag} applies to trainer.load (a checkpoint to start from); "
+                              "set trainer.load=DIR (--resume always loads everything)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rlhf.driver.advantages import add_advantages
 from rlhf.driver.context import StepContext, rollout_metrics
 from rlhf.driver.grpo import generate_and_score
-from rlhf.workflow import Roles, loss_config
+from rlhf.workflow import Roles, loss_config, value_loss_config
 
 
 def ppo_step(roles: Roles, ctx: StepContext) -> dict[str, float]:
@@ -21,7 +21,7 @@ def ppo_step(roles: Roles, ctx: StepContext) -> dict[str, float]:
     with ctx.phase("advantages"):
         batch, adv_metrics = add_advantages(batch, cfg.algorithm, ctx.kl_ctrl.value)
     with ctx.phase("train"):
-        critic_metrics = roles.critic.train(batch, loss_config(cfg))
+        critic_metrics = roles.critic.train(batch, value_loss_config(cfg))
         policy_metrics = roles.policy.train(batch, loss_config(cfg))
     with ctx.phase("sync"):
         roles.rollout.sync_weights(roles.policy)

@@ -109,7 +109,7 @@ def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
             if step == cfg.trainer.total_steps or (cfg.trainer.save_every and step % cfg.trainer.save_every == 0):
                 save(step)
         if cfg.trainer.export_hf:
-            roles.policy.export_hf(out / "hf")
+            roles.policy.export_hf(out / "hf", cfg.model.tokenizer_path or cfg.model.path)
     finally:
         if logger is not None:
             logger.close()

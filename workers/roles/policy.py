@@ -21,6 +21,7 @@ from workers.roles.base import MegatronWorker, Metrics
 from workers.roles.logits import vocab_parallel_logprobs
 from workers.roles.micro import make_micro, pad_right, response_micros, response_slice
 from workers.roles.weights import put_buckets, save_hf_folder
+from workers.rollout.policy_mixin import RolloutSyncMixin
 
 
 @dataclass
@@ -84,7 +85,7 @@ class LogprobMixin:
         return Batch(tensors)
 
 
-class PolicyWorker(LogprobMixin, MegatronWorker):
+class PolicyWorker(RolloutSyncMixin, LogprobMixin, MegatronWorker):
     """The trainable policy (see module docstring)."""
 
     @register(DP_COMPUTE)

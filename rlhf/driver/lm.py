@@ -1,0 +1,226 @@
+"""The pretraining and SFT runner: `run_lm(cfg)` for `algorithm.name: pretrain | sft`.
+
+The model lives in a policy worker group (`workers.roles.lm.LMWorker`, a PolicyWorker: the same group
+and Megatron engine as RL) at the configured TP / PP / DP. Each step feeds one global batch of
+`trainer.global_batch_size` sequences (= micro batch x gradient accumulation x DP); the workers run the
+pipeline schedule over the micro-batches and one optimizer step (distributed optimizer, warmup + cosine /
+linear / constant LR to min_lr, weight decay, clipping, NaN/Inf skip). The driver stops after
+`optim.max_consecutive_nonfinite` skipped steps in a row. Validation loss every `trainer.val_every`
+steps (and at the start and the end); checkpoints every `trainer.save_every` steps and at the end;
+`--resume` continues from the latest one (model, optimizer, scheduler, RNG, data position, step);
+`trainer.load` starts a new run from a checkpoint (with `no_load_optim` / `no_load_rng`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from rlhf.config import RunConfig, save_config
+from rlhf.driver.checkpoints import CheckpointManager, rng_state, set_rng_state
+from rlhf.driver.lm_data import LMData, build_lm_data, check_lm_inputs, tokenizer_path
+from rlhf.driver.metrics import MetricsLogger
+from rlhf.driver.ray_env import init_ray
+from rlhf.driver.report import write_report
+from rlhf.errors import UserError
+
+ROLE = "policy"
+
+
+class NonFiniteError(UserError):
+    """Too many optimizer steps in a row had a NaN/Inf gradient norm."""
+
+
+def global_batch_size(cfg: RunConfig) -> int:
+    p = cfg.policy
+    return cfg.trainer.global_batch_size or p.micro_batch_size * p.parallel.dp
+
+
+def schedule_of(cfg: RunConfig) -> dict[str, Any]:
+    """What the LR scheduler state in a checkpoint must agree with (checked before resuming)."""
+    o = cfg.policy.optim
+    return {"policy.optim.lr": o.lr, "policy.optim.min_lr": o.min_lr, "policy.optim.warmup_steps": o.warmup_steps,
+            "policy.optim.lr_decay_style": o.lr_decay_style, "trainer.total_steps": cfg.trainer.total_steps}
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The role folder to load for `trainer.load`: accepts a run dir, its checkpoints/ folder, a step
+    folder or the role folder itself (a dist_checkpointing directory)."""
+    p = Path(path)
+    for pointer in (p / "checkpoints" / "latest", p / "latest"):
+        if pointer.is_file():
+            p = pointer.parent / pointer.read_text().strip()
+            break
+    if (p / ROLE / "metadata.json").is_file():
+        return p / ROLE
+    if (p / "metadata.json").is_file():
+        return p
+    raise UserError(f"trainer.load: {p} is not a checkpoint (expected a run dir, its checkpoints/ folder, "
+                    f"a step-N folder or a dist_checkpointing folder with metadata.json)")
+
+
+def make_group(cfg: RunConfig, out: Path) -> Any:
+    from workers.group import WorkerGroup
+    from workers.roles.lm import LMWorker
+
+    p = cfg.policy
+    optim = {**asdict(p.optim), "total_steps": cfg.trainer.total_steps}
+    return WorkerGroup(
+        role=ROLE, worker_cls=LMWorker, tp=p.parallel.tp, pp=p.parallel.pp, dp=p.parallel.dp,
+        num_cpus_per_worker=p.resources.num_cpus_per_worker, num_gpus_per_worker=p.resources.num_gpus_per_worker,
+        timeout_s=cfg.trainer.timeout_s, log_dir=out / "logs", seed=cfg.trainer.seed,
+        init_kwargs={"model_path": p.model_path or cfg.model.path, "micro_batch_size": p.micro_batch_size,
+                     "dtype": p.dtype, "optim": optim},
+    )
+
+
+def _check_schedule(saved: dict[str, Any] | None, cfg: RunConfig, where: Path) -> None:
+    if not saved:
+        return
+    now = schedule_of(cfg)
+    diff = [f"{k}: checkpoint {saved[k]!r}, config {now[k]!r}" for k in now if k in saved and saved[k] != now[k]]
+    if diff:
+        raise UserError(f"cannot continue the LR schedule of {where}: " + "; ".join(diff)
+                        + " (keep them, or start a new run with trainer.load=... trainer.no_load_optim=true)")
+
+
+class LMRun:
+    """One pretraining / SFT run: data, worker group, metrics and checkpoints."""
+
+    def __init__(self, cfg: RunConfig, data: LMData, group: Any, out: Path) -> None:
+        self.cfg, self.data, self.group, self.out = cfg, data, group, out
+        self.gbs = global_batch_size(cfg)
+        self.ckpt = CheckpointManager(out)
+        self.step = 0
+        self.consecutive_nonfinite = 0
+        self.skipped_total = 0
+
+    # ---- state --------------------------------------------------------------------------------
+    def restore(self) -> None:
+        """Resume from the latest checkpoint (trainer.resume=auto), else start from trainer.load."""
+        t = self.cfg.trainer
+        latest = self.ckpt.latest() if t.resume == "auto" else None
+        if latest is not None:
+            state = self.ckpt.driver_state(latest)
+            _check_schedule(state.get("schedule"), self.cfg, latest)
+            self.group.load_checkpoint(str(latest / ROLE), load_optim=True, load_rng=True)
+            self.data.order.load_state_dict(state["data"])
+            set_rng_state(state["rng"])
+            self.step = int(state["step"])
+            self.consecutive_nonfinite = int(state.get("consecutive_nonfinite", 0))
+            self.skipped_total = int(state.get("skipped_total", 0))
+            print(f"resumed from {latest} at step {self.step}", flush=True)
+        elif t.load:
+            path = resolve_checkpoint(t.load)
+            if not t.no_load_optim:
+                step_dir = path.parent
+                if (step_dir / "driver_state.json").is_file():
+                    _check_schedule(CheckpointManager.driver_state(step_dir).get("schedule"), self.cfg, step_dir)
+            self.group.load_checkpoint(str(path), load_optim=not t.no_load_optim, load_rng=not t.no_load_rng)
+            print(f"loaded {path} (optimizer: {not t.no_load_optim}, rng: {not t.no_load_rng})", flush=True)
+
+    def save(self) -> Path:
+        state = {"data": self.data.order.state_dict(), "rng": rng_state(), "schedule": schedule_of(self.cfg),
+                 "consecutive_nonfinite": self.consecutive_nonfinite, "skipped_total": self.skipped_total,
+                 "algorithm": self.cfg.algorithm.name, "global_batch_size": self.gbs}
+        return self.ckpt.save(self.step, state, lambda tmp: self.group.save_checkpoint(str(tmp / ROLE)))
+
+    # ---- steps --------------------------------------------------------------------------------
+    def validate(self) -> dict[str, float]:
+        batch = self.data.val_batch(self.gbs * self.cfg.trainer.eval_iters)
+        if batch is None:
+            return {}
+        t0 = time.perf_counter()
+        out = self.group.eval_lm(batch)
+        return {"val/loss": out["loss"], "val/tokens": out["tokens"], "time/val": time.perf_counter() - t0}
+
+    def train_step(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        batch = self.data.next_batch(self.gbs)
+        t1 = time.perf_counter()
+        out = self.group.train_lm_step(batch)
+        dt = time.perf_counter() - t0
+        skipped = bool(out.get("skipped", 0.0))
+        self.consecutive_nonfinite = self.consecutive_nonfinite + 1 if skipped else 0
+        self.skipped_total += int(skipped)
+        return {
+            "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"], "skipped": float(skipped),
+            "skipped_steps": float(self.skipped_total), "loss_tokens": out["tokens"],
+            "tokens_per_s": batch["tokens"].numel() / dt, "step_time_s": dt,
+            "consumed_samples": float(self.data.order.consumed), "time/data": t1 - t0,
+            "time/train": time.perf_counter() - t1,
+        }
+
+    def val_due(self, step: int) -> bool:
+        t = self.cfg.trainer
+        return step == t.total_steps or bool(t.val_every and step % t.val_every == 0)
+
+    def save_due(self, step: int) -> bool:
+        t = self.cfg.trainer
+        return step == t.total_steps or bool(t.save_every and step % t.save_every == 0)
+
+    def run(self, logger: MetricsLogger) -> dict[str, float]:
+        t = self.cfg.trainer
+        limit = self.cfg.policy.optim.max_consecutive_nonfinite
+        if self.step == 0:
+            first = self.validate()
+            if first:
+                logger.log(0, first)
+        last: dict[str, float] = {}
+        while self.step < t.total_steps:
+            self.step += 1
+            metrics = self.train_step()
+            if metrics["skipped"]:
+                print(f"step {self.step}: non-finite grad norm {metrics['grad_norm']}: optimizer step skipped "
+                      f"({self.consecutive_nonfinite} in a row)", flush=True)
+            if self.consecutive_nonfinite >= limit:
+                logger.log(self.step, metrics)
+                raise NonFiniteError(
+                    f"stopped at step {self.step}: {self.consecutive_nonfinite} optimizer steps in a row had a "
+                    f"NaN/Inf gradient norm (policy.optim.max_consecutive_nonfinite={limit}); lower "
+                    f"policy.optim.lr or check the data, then resume from the last checkpoint")
+            if self.val_due(self.step):
+                metrics.update(self.validate())
+            logger.log(self.step, metrics)
+            last = metrics
+            if self.save_due(self.step):
+                self.save()
+        return last
+
+
+def run_lm(cfg: RunConfig) -> dict[str, float]:
+    """Pretrain or SFT as configured; returns the last step's metrics. Inputs are checked (UserError)
+    before Ray or any worker starts."""
+    if cfg.algorithm.name not in ("pretrain", "sft"):
+        raise UserError(f"algorithm.name: run_lm runs pretrain or sft, got {cfg.algorithm.name!r}")
+    check_lm_inputs(cfg)
+    out = Path(cfg.trainer.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data = build_lm_data(cfg, global_batch_size(cfg), str(out))
+    if cfg.trainer.load:
+        resolve_checkpoint(cfg.trainer.load)  # fail before the workers start
+    save_config(cfg, out / "config.yaml")
+    own_ray = init_ray(cfg.trainer)
+    group, logger, last = None, None, {}
+    try:
+        group = make_group(cfg, out)
+        run = LMRun(cfg, data, group, out)
+        run.restore()
+        logger = MetricsLogger(out, cfg.trainer.total_steps, tensorboard=cfg.trainer.tensorboard,
+                               progress_bar=cfg.trainer.progress_bar, start_step=run.step, prefix=cfg.algorithm.name)
+        last = run.run(logger)
+        if cfg.trainer.export_hf:
+            group.export_hf(str(out / "hf"), tokenizer_path(cfg))
+    finally:
+        if logger is not None:
+            logger.close()
+        if group is not None:
+            group.shutdown()
+        if own_ray:
+            import ray
+
+            ray.shutdown()
+    print(write_report(out, title=f"{cfg.algorithm.name} {out.name}"), flush=True)
+    return last

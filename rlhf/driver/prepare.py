@@ -1,0 +1,99 @@
+"""Inputs of a run, made ready before any worker starts: task data, the model folder, the reward function.
+
+- `data.task: arithmetic` with no `data.train_file`: the example task's files are generated under the run dir
+  (RL prompts, SFT conversations, pretraining text and its Megatron indexed form).
+- `model.preset` with no `model.path`: the tiny model is created under the run dir, then warm-started with a
+  short plain SFT when `model.warm_start_steps > 0`.
+Everything generated is reused when it already exists, so a resumed run starts from the same files.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from rlhf.config.schema import RunConfig
+from rlhf.errors import ConfigError
+
+TASKS = ("arithmetic",)
+
+
+def _task_data(cfg: RunConfig, out: Path) -> None:
+    d = cfg.data
+    if d.task not in TASKS:
+        raise ConfigError(f"data.task: expected one of {', '.join(TASKS)} or null, got {d.task!r}")
+    from rlhf.data.arithmetic import write_arithmetic_data
+
+    data_dir = out / "data"
+    if not (data_dir / "rl_val.jsonl").is_file():
+        write_arithmetic_data(data_dir, seed=d.seed, val_size=d.val_size or 200)
+    if cfg.algorithm.name in ("grpo", "ppo"):
+        d.train_file, d.val_file, d.val_size = str(data_dir / "rl_train.jsonl"), str(data_dir / "rl_val.jsonl"), 0
+    elif cfg.algorithm.name == "sft":
+        d.train_file, d.val_file = str(data_dir / "sft_train.jsonl"), str(data_dir / "sft_val.jsonl")
+    elif not d.data_prefix:  # pretrain: tokenise the task text into Megatron's indexed format once
+        d.data_prefix = [str(data_dir / "pretrain_text_document")]
+
+
+def _pretrain_index(cfg: RunConfig, out: Path) -> None:
+    from rlhf.data.preprocess import preprocess_pretrain
+
+    prefix = Path(cfg.data.data_prefix[0])
+    if not prefix.with_suffix(".idx").is_file():
+        preprocess_pretrain(out / "data" / "pretrain.jsonl", out / "data" / "pretrain", cfg.model.path,
+                            append_eod=True, progress=False)
+
+
+def _model(cfg: RunConfig, out: Path) -> None:
+    m = cfg.model
+    if m.path:
+        if not (Path(m.path) / "config.json").is_file():
+            raise ConfigError(f"model.path: {m.path} is not an HF model folder (no config.json)")
+        return
+    from rlhf.tiny_models import create_tiny_model
+
+    base = out / "model" / "init"
+    if not (base / "model.safetensors").is_file():
+        shutil.rmtree(base, ignore_errors=True)
+        create_tiny_model(m.preset, base, seed=cfg.trainer.seed)
+    m.path = str(base)
+    if m.warm_start_steps > 0 and cfg.algorithm.name in ("grpo", "ppo"):
+        warm = out / "model" / f"warm_start_{m.warm_start_steps}"
+        if not (warm / "model.safetensors").is_file():
+            if not cfg.data.task:
+                raise ConfigError("model.warm_start_steps needs data.task (the task's Q/A pairs to fine-tune on)")
+            from rlhf.data.prompts import load_prompt_dataset
+            from rlhf.driver.warmstart import sft_warm_start
+
+            train, _ = load_prompt_dataset(cfg.data.train_file, answer_key=cfg.data.answer_key, seed=cfg.data.seed)
+            pairs = [(p["prompt"] or p["messages"], p["ground_truth"]) for p in train]
+            shutil.rmtree(warm, ignore_errors=True)
+            tmp = warm.with_name(warm.name + ".tmp")
+            sft_warm_start(base, pairs, tmp, steps=m.warm_start_steps, batch_size=m.warm_start_batch,
+                           lr=m.warm_start_lr, seed=cfg.trainer.seed)
+            tmp.rename(warm)
+        m.path = str(warm)
+
+
+def prepare_inputs(cfg: RunConfig) -> RunConfig:
+    """Generate or check the run's inputs in place and return `cfg`; raise UserError on bad input."""
+    out = Path(cfg.trainer.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rl = cfg.algorithm.name in ("grpo", "ppo")
+    if cfg.data.task and not cfg.data.train_file:
+        _task_data(cfg, out)
+    if rl:
+        from rlhf.data.prompts import load_prompt_dataset
+        from rlhf.driver.rewards import resolve_reward_fn
+
+        if cfg.reward.fn and not cfg.reward.model_path:
+            resolve_reward_fn(cfg.reward.fn)
+        if not cfg.data.train_file:
+            raise ConfigError("data.train_file: expected a jsonl or parquet prompt file (or data.task: arithmetic)")
+        d = cfg.data
+        load_prompt_dataset(d.train_file, d.val_file, val_size=d.val_size, prompt_key=d.prompt_key,
+                            messages_key=d.messages_key, answer_key=d.answer_key, seed=d.seed)
+    _model(cfg, out)
+    if cfg.algorithm.name == "pretrain" and cfg.data.task and cfg.data.data_prefix:
+        _pretrain_index(cfg, out)
+    return cfg

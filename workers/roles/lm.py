@@ -121,7 +121,11 @@ class LMWorker(PolicyWorker):
         if load_optimizer is not None:
             load_optim = load_optimizer
         before = (torch.get_rng_state(), get_cuda_rng_tracker().get_states())
+        if load_optim:
+            self._init_empty_optimizer_state()
         meta = self.engine.load_checkpoint(path, load_optimizer=load_optim)
+        if not load_optim and self.engine.optimizer is not None:
+            self.engine.optimizer.reload_model_params()  # bf16/fp16 main params follow the loaded weights
         if not load_rng:
             torch.set_rng_state(before[0])
             get_cuda_rng_tracker().set_states(before[1])
@@ -129,6 +133,25 @@ class LMWorker(PolicyWorker):
             self._load_rng_only(path, meta)
         self._log(f"loaded checkpoint {path} (saved at {meta.get('layout')}; optim={load_optim} rng={load_rng})")
         return meta
+
+    def _init_empty_optimizer_state(self) -> None:
+        """Give a never-stepped optimizer its (zero) Adam state so the distributed optimizer can describe
+        the state it is about to load (megatron-core's torch-Adam fallback asserts on a missing 'step')."""
+        for inner in self._inner_optimizers():
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    state = inner.state[p]
+                    if not state:
+                        state["step"] = torch.tensor(0.0)
+                        state["exp_avg"] = torch.zeros_like(p.data)
+                        state["exp_avg_sq"] = torch.zeros_like(p.data)
+
+    def _inner_optimizers(self) -> list[Any]:
+        opt = self.engine.optimizer
+        if opt is None:
+            return []
+        subs = getattr(opt, "chained_optimizers", [opt])
+        return [s.optimizer for s in subs if getattr(s, "optimizer", None) is not None]
 
     def _load_rng_only(self, path: str, meta: dict[str, Any]) -> None:
         """The engine restores the RNG together with the optimizer only; this loads it alone."""

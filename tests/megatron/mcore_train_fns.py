@@ -95,3 +95,8 @@ def check_cpu_compat() -> dict:
     out["fork_advances"] = not torch.equal(a, b)
     out["fork_restores"] = torch.equal(before, torch.get_rng_state())
     return out
+
+
+def compat_then_train() -> tuple[dict, list[float]]:
+    """`check_cpu_compat` then `train_tiny_gpt` in the same (single-rank) world, to spare a process."""
+    return check_cpu_compat(), train_tiny_gpt()

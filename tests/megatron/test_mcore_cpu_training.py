@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from mcore_train_fns import check_cpu_compat, train_tiny_gpt
+from mcore_train_fns import compat_then_train, train_tiny_gpt
 
 from workers.megatron.testing import run_distributed
 
 
-def test_cpu_compat_layer():
-    out = run_distributed(check_cpu_compat, 1)[0]
+def test_cpu_compat_and_training_tp1_tp2():
+    out, tp1 = run_distributed(compat_then_train, 1)[0]
+    # The compatibility layer, in a fresh process (it patches process-wide and per thread).
     assert out["modes_main"] == 1
     assert out["device"] == "cpu" and out["to_cuda"] == "cpu" and out["pinned"] == "cpu"
     assert out["cuda_noop"] is True
@@ -17,13 +18,10 @@ def test_cpu_compat_layer():
     assert out["mask"] == [[[[False, True, True], [False, False, True], [False, False, False]]]]
     assert out["thread_device"] == "cpu" and out["thread_modes"] == 1
     assert out["fork_advances"] and out["fork_restores"]
-
-
-def test_train_falling_loss_tp1_and_tp2():
-    tp1 = run_distributed(train_tiny_gpt, 1)[0]
+    # A 2-layer local-spec GPT trains with a falling loss in one process ...
     assert tp1[-1] < tp1[0] - 1.0, tp1
     assert all(b < a for a, b in zip(tp1, tp1[1:])), tp1
+    # ... and with TP=2 over gloo, reproducing the single-process run (same CPU-initialised weights).
     tp2 = run_distributed(train_tiny_gpt, 2, tp=2)
     assert tp2[0] == tp2[1]  # both TP ranks see the same (all-reduced) loss
-    # Same CPU-initialised weights: TP=2 reproduces the single-process run.
     assert max(abs(a - b) for a, b in zip(tp1, tp2[0])) < 1e-4, (tp1, tp2[0])

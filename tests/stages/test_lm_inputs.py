@@ -100,3 +100,14 @@ def test_resolve_checkpoint(tmp_path):
     (step.parent / "latest").write_text("step-000002")
     for given in (tmp_path / "run", step.parent, step, step / "policy"):
         assert resolve_checkpoint(given) == step / "policy"
+
+
+def test_resume_refuses_a_changed_lr_schedule(lm_inputs, tmp_path):
+    from rlhf.driver.lm import _check_schedule, schedule_of
+
+    cfg = load_config(None, lm_overrides(lm_inputs, "pretrain", tmp_path))
+    saved = schedule_of(cfg)
+    _check_schedule(saved, cfg, tmp_path)
+    longer = load_config(None, lm_overrides(lm_inputs, "pretrain", tmp_path, "trainer.total_steps=8"))
+    with pytest.raises(UserError, match=r"trainer.total_steps: checkpoint 4, config 8"):
+        _check_schedule(saved, longer, tmp_path)

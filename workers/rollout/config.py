@@ -29,7 +29,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool | None = None
     enable_prefix_caching: bool = True
-    num_threads: int | None = None  # CPU: torch threads of the engine process (None: keep the default)
+    num_threads: int | None = None  # CPU: torch threads of the engine process (None: vLLM's choice, 1)
     num_cpus: float = 1.0  # Ray actor resources
     num_gpus: float = 0.0
     seed: int = 0
@@ -88,6 +88,9 @@ def prepare_env(cfg: EngineConfig) -> str:
         os.environ["TMPDIR"] = os.path.join(work, "tmp")
         os.makedirs(os.environ["TMPDIR"], exist_ok=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if cfg.num_threads and not cuda_available():
+        # vLLM drops torch to 1 thread for serving unless OMP_NUM_THREADS is set (and then forbids changes).
+        os.environ["OMP_NUM_THREADS"] = str(cfg.num_threads)
     return work
 
 

@@ -84,8 +84,11 @@ def normalise(prompts: Batch | Sequence[Any], tokenizer: Any) -> Prompts:
     return Prompts(ids, text, batch)  # type: ignore[arg-type]
 
 
-def build_output(prompts: Prompts, outputs: Sequence[Sequence[Any]], n: int, pad_id: int) -> Batch:
-    """The generate Batch (see RolloutWorker.generate) from vLLM's per-prompt completion lists."""
+def build_output(prompts: Prompts, outputs: Sequence[Sequence[Any]], n: int, pad_id: int,
+                 tokenizer: Any = None) -> Batch:
+    """The generate Batch (see RolloutWorker.generate) from vLLM's per-prompt completion lists.
+
+    Responses that vLLM did not detokenise (no stop strings) are decoded here in one batched call."""
     rows = len(prompts.ids) * n
     resp_ids: list[list[int]] = []
     resp_lp: list[list[float]] = []
@@ -99,6 +102,8 @@ def build_output(prompts: Prompts, outputs: Sequence[Sequence[Any]], n: int, pad
             reasons.append(c.finish_reason or "length")
     if len(resp_ids) != rows:
         raise RuntimeError(f"the engine returned {len(resp_ids)} samples, expected {rows}")
+    if tokenizer is not None:
+        texts = tokenizer.batch_decode(resp_ids, skip_special_tokens=True)
     width_p = max(len(p) for p in prompts.ids)
     width_r = max(1, max(len(r) for r in resp_ids))
     input_ids = torch.full((rows, width_p + width_r), pad_id, dtype=torch.long)
@@ -136,4 +141,7 @@ def _sampled_logprobs(logprobs: Any, toks: list[int]) -> list[float]:
     """The sampled token's logprob at each step (vLLM returns a dict or a flat container per step)."""
     if logprobs is None:
         return [0.0] * len(toks)
+    if hasattr(logprobs, "start_indices"):  # FlatLogprobs: the sampled token comes first at each position
+        flat = logprobs.logprobs
+        return [float(flat[i]) for i in logprobs.start_indices]
     return [float(step[t].logprob) for step, t in zip(logprobs, toks)]

@@ -85,5 +85,9 @@ class SamplingConfig:
             seed=seed if seed is not None else self.seed,
             ignore_eos=self.ignore_eos,
             logprobs=0 if logprobs else None,
+            flat_logprobs=True,  # one flat list per sample instead of a dict per token
+            # vLLM detokenises token by token; it is only needed to find stop strings. Otherwise the
+            # worker decodes all responses in one batched call afterwards.
+            detokenize=bool(self.stop),
             skip_special_tokens=True,
         )

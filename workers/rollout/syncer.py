@@ -46,7 +46,7 @@ class SyncConfig:
         kw = {"bucket_mb": get("sync_bucket_mb"), "verify_first": get("verify_first_sync"),
               "verify_every": get("verify_every_sync"), "verify_tolerance": get("verify_tolerance"),
               "transport": get("sync_transport"), "timeout_s": get("sync_timeout_s")}
-        return cls(**{k: v for k, v in kw.items() if v is not None}, **overrides)
+        return cls(**{**{k: v for k, v in kw.items() if v is not None}, **overrides})
 
 
 class WeightSyncer:

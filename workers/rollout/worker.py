@@ -86,7 +86,7 @@ class RolloutWorker:
         t2 = time.perf_counter()
         comps = [[c for r in results[i:i + copies] for c in sorted(r.outputs, key=lambda c: c.index)]
                  for i in range(0, len(results), copies)]
-        out = build_output(p, comps, sp.n, self.pad_id)
+        out = build_output(p, comps, sp.n, self.pad_id, tokenizer=None if sp.stop else self.tokenizer)
         n_tok = int(out.tensors["response_mask"].sum())
         out.info.update({
             "rollout/generate_s": t2 - t1,

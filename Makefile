@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	@touch $(STAMP)
 
 run: install
-	$(BIN)/python -m rlhf run-default
+	$(BIN)/python examples/pipeline_tiny/run.py --out runs/pipeline_tiny
 
 test: install
 	$(BIN)/python -m pytest -q -rs

@@ -18,6 +18,7 @@ COMMAND_MODULES = [
     "rlhf.commands.clean",
     "rlhf.commands.convert",
     "rlhf.commands.train",
+    "rlhf.commands.generate",
 ]
 
 

@@ -168,6 +168,7 @@ def validate_config(cfg: RunConfig) -> None:
     _choice(a.kl_kind, "algorithm.kl_kind", KL_KINDS)
     _choice(a.kl_ctrl, "algorithm.kl_ctrl", ("fixed", "adaptive"))
     _choice(a.loss_agg_mode, "algorithm.loss_agg_mode", AGG_MODES)
+    _choice(a.old_logprobs, "algorithm.old_logprobs", ("recompute", "rollout"))
     _check_adv_estimator(a.adv_estimator)
     if a.name == "ppo" and not cfg.critic.enabled:
         raise ConfigError("critic.enabled: PPO needs a critic; set critic.enabled=true (or use algorithm.name=grpo)")

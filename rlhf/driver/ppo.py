@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rlhf.driver.advantages import add_advantages
 from rlhf.driver.context import StepContext, rollout_metrics
-from rlhf.driver.grpo import generate_and_score
+from rlhf.driver.grpo import generate_and_score, old_logprobs
 from rlhf.workflow import Roles, loss_config, value_loss_config
 
 
@@ -14,8 +14,7 @@ def ppo_step(roles: Roles, ctx: StepContext) -> dict[str, float]:
     if roles.reference is not None:
         with ctx.phase("reference"):
             batch = roles.reference.logprobs(batch, key="ref_logprobs")
-    with ctx.phase("old_logprobs"):
-        batch = roles.policy.logprobs(batch, key="old_logprobs")
+    batch = old_logprobs(roles, batch, ctx)
     with ctx.phase("critic"):
         batch = roles.critic.values(batch)
     with ctx.phase("advantages"):

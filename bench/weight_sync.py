@@ -81,6 +81,10 @@ def main() -> None:
     print(f"first sync {first['sync/time_s']:.3f}s (verify max |diff| {first['sync/verify_max_abs_diff']:.2e})")
     print(f"sync (median of {args.reps}): {sync_s:.3f}s (engine side {recv_s:.3f}s); "
           f"memcpy of the same bytes: {warm:.4f}s warm, {fresh:.4f}s into a fresh buffer")
+    med = {k: statistics.median(r[k] for r in runs) for k in ("sync/gather_s", "sync/send_s", "sync/engine_wait_s")}
+    print(f"breakdown (median): policy gather+map {med['sync/gather_s']:.3f}s, source send/wait "
+          f"{med['sync/send_s']:.3f}s, engine waiting for data {med['sync/engine_wait_s']:.3f}s, vLLM reload "
+          f"~{recv_s - med['sync/engine_wait_s']:.3f}s")
     print(f"RATIO weight_sync_vs_memcpy {sync_s / warm:.3f}")
 
 

@@ -51,7 +51,9 @@ class RolloutGroup:
         eng = self.engines[i]
         return getattr(eng, method)(*args) if self.in_process else getattr(eng, method).remote(*args)
 
-    def _wait(self, handles: list[Any], what: str, timeout_s: float | None = None) -> list[Any]:
+    def _wait(self, handles: list[Any], what: str, timeout_s: float | None = None,
+              on_poll: Any = None) -> list[Any]:
+        """Results of actor calls, polled (so `on_poll()` can raise, e.g. when the sending side failed)."""
         if self.in_process:
             return handles
         import ray
@@ -67,6 +69,8 @@ class RolloutGroup:
                 ranks = sorted(index[h] for h in pending)
                 raise RolloutError(f"rollout.{what} did not finish within {timeout_s:g}s on rollout ranks {ranks}")
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=min(left, 0.5))
+            if on_poll is not None and pending:
+                on_poll()
             for h in ready:
                 try:
                     out[index[h]] = ray.get(h)
@@ -111,8 +115,10 @@ class RolloutGroup:
             self._endpoint = tuple(self._wait([self._submit(0, "open_sync_endpoint")], "open_sync_endpoint")[0])
         return self._endpoint  # type: ignore[return-value]
 
-    def receive_weights(self, session: Any) -> list[dict[str, Any]]:
-        return self._all("receive_weights", session, timeout_s=session.timeout_s + 30.0)
+    def receive_weights(self, session: Any, on_poll: Any = None) -> list[dict[str, Any]]:
+        """Every engine's receive side of a sync (see weight_sync.py); `on_poll` may raise to stop waiting."""
+        handles = [self._submit(i, "receive_weights", session) for i in range(self.num_engines)]
+        return self._wait(handles, "receive_weights", session.timeout_s + 30.0, on_poll)
 
     def sync_weights(self, policy_group: Any, config: Any = None, verify: bool | None = None,
                      **session_overrides: Any) -> dict[str, Any]:

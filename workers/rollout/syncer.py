@@ -78,8 +78,13 @@ class WeightSyncer:
         t0 = time.perf_counter()
         session = self.session(**session_overrides)
         fut = self.policy.send_weights_to_rollout.remote(session)
+
+        def policy_failed_fast() -> None:  # a policy-side failure ends the wait at once
+            if fut.done():
+                fut.get()
+
         try:
-            recv = self.rollout.receive_weights(session)
+            recv = self.rollout.receive_weights(session, on_poll=policy_failed_fast)
         except Exception as exc:
             self.channel = _new_channel()
             self._drain_policy(fut, session)
@@ -98,6 +103,11 @@ class WeightSyncer:
             "sync/buckets": float(sum(s["buckets"] for s in src)),
             "sync/max_bucket_mb": max(s["max_bucket_bytes"] for s in src) / (1 << 20) if src else 0.0,
             "sync/receive_s": max(r["time_s"] for r in recv),
+            # where the time went: the policy's TP/PP gather + HF mapping, the source's sends (incl. waiting
+            # for the engines), the engines' waits for data; the rest of receive_s is vLLM's reload.
+            "sync/gather_s": max((s.get("gather_s", 0.0) for s in src), default=0.0),
+            "sync/send_s": max((s.get("send_s", 0.0) for s in src), default=0.0),
+            "sync/engine_wait_s": max(r.get("recv_s", 0.0) for r in recv),
         }
         if verify is None:
             verify = (self.cfg.verify_first and self.num_syncs == 1) or self.cfg.verify_every

@@ -1,7 +1,7 @@
-"""`SyncPolicyWorker`: PolicyWorker plus the weight-sync method, for tests and benchmarks.
+"""`policy_worker_cls()`: the policy worker class that has the weight-sync method, for tests and benches.
 
-Until `RolloutSyncMixin` is a base of `workers.roles.policy.PolicyWorker` itself, groups that sync use
-this class (defined in an importable module so Ray actors can load it).
+`workers.roles.policy.PolicyWorker` mixes in `RolloutSyncMixin`; for a PolicyWorker without it, a
+subclass is built here (module level, so Ray actors can import it).
 """
 
 from __future__ import annotations
@@ -9,11 +9,12 @@ from __future__ import annotations
 from workers.roles.policy import PolicyWorker
 from workers.rollout.policy_mixin import RolloutSyncMixin
 
-
-class SyncPolicyWorker(RolloutSyncMixin, PolicyWorker):
-    """PolicyWorker with `send_weights_to_rollout`."""
+if issubclass(PolicyWorker, RolloutSyncMixin):
+    SyncPolicyWorker = PolicyWorker
+else:
+    class SyncPolicyWorker(RolloutSyncMixin, PolicyWorker):  # type: ignore[no-redef]
+        """PolicyWorker with `send_weights_to_rollout`."""
 
 
 def policy_worker_cls() -> type:
-    """PolicyWorker when it already has the sync method, else SyncPolicyWorker."""
-    return PolicyWorker if hasattr(PolicyWorker, "send_weights_to_rollout") else SyncPolicyWorker
+    return SyncPolicyWorker

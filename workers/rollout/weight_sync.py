@@ -60,6 +60,8 @@ def send_weights(weights: Iterable[tuple[str, torch.Tensor]], session: SyncSessi
         return {"rank": rank, "source": False, "tensors": n, "time_s": time.perf_counter() - t0}
     device = "cuda" if session.transport in ("nccl", "cuda_ipc") else "cpu"
     packer = BucketPacker(session.bucket_bytes, session.dtype, device=device)
+    clock = {"gather_s": 0.0, "send_s": 0.0}
+    weights = _timed(weights, clock, "gather_s")
     error: BaseException | None = None
     sent = 0
     ipc_buffers: list[torch.Tensor] = []
@@ -73,7 +75,9 @@ def send_weights(weights: Iterable[tuple[str, torch.Tensor]], session: SyncSessi
         try:
             if session.stall_s and stage == 0 and meta.index == session.stall_bucket:
                 time.sleep(session.stall_s)
+            t = time.perf_counter()
             _send_bucket(ch, session, stage, buf, meta, ipc_buffers)
+            clock["send_s"] += time.perf_counter() - t
             sent += 1
         except BaseException as exc:  # noqa: BLE001
             error = exc
@@ -92,7 +96,21 @@ def send_weights(weights: Iterable[tuple[str, torch.Tensor]], session: SyncSessi
         raise (WeightSyncTimeout if is_timeout(error) else WeightSyncError)(msg) from error
     return {"rank": rank, "source": True, "stage": stage, "buckets": packer.num_buckets,
             "tensors": packer.num_tensors, "bytes": packer.total_bytes, "max_bucket_bytes": packer.max_bucket_bytes,
-            "time_s": time.perf_counter() - t0}
+            "time_s": time.perf_counter() - t0, **clock}
+
+
+def _timed(it: Iterable[Any], clock: dict[str, float], key: str) -> Iterator[Any]:
+    """`it`, adding the time spent producing each item to clock[key]."""
+    it = iter(it)
+    while True:
+        t = time.perf_counter()
+        try:
+            item = next(it)
+        except StopIteration:
+            clock[key] += time.perf_counter() - t
+            return
+        clock[key] += time.perf_counter() - t
+        yield item
 
 
 def _send_bucket(ch: Any, session: SyncSession, stage: int, buf: torch.Tensor, meta: BucketMeta,
@@ -134,7 +152,7 @@ def _receive_on_vllm_worker(vworker: Any, session: SyncSession, engine_rank: int
     from workers.rollout import engine_ops
 
     rank = 1 + engine_rank * tp + int(getattr(vworker, "rank", 0))
-    progress = {"stage": 0, "bucket": 0, "bytes": 0, "tensors": 0}
+    progress = {"stage": 0, "bucket": 0, "bytes": 0, "tensors": 0, "recv_s": 0.0}
     try:
         engine_ops.reload_on_worker(vworker, _stream(session, rank, progress))
     except BaseException as exc:
@@ -147,7 +165,7 @@ def _receive_on_vllm_worker(vworker: Any, session: SyncSession, engine_rank: int
                f"partly updated, so sync again before generating: {exc}")
         raise (WeightSyncTimeout if is_timeout(exc) else WeightSyncError)(msg) from exc
     return {"rank": engine_rank, "buckets": progress["bucket_total"], "bytes": progress["bytes"],
-            "tensors": progress["tensors"]}
+            "tensors": progress["tensors"], "recv_s": progress["recv_s"]}
 
 
 def _stream(session: SyncSession, rank: int, progress: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -162,6 +180,7 @@ def _stream(session: SyncSession, rank: int, progress: dict[str, Any]) -> Iterat
         k = 0
         while True:
             progress["bucket"] = k
+            t = time.perf_counter()
             item = ch.fetch(session.key(stage, f"b{k}"))
             _remember_key(session, rank, session.key(stage, f"b{k}"))
             if isinstance(item, str) and item == END:
@@ -175,6 +194,7 @@ def _stream(session: SyncSession, rank: int, progress: dict[str, Any]) -> Iterat
                 meta = item
                 buf = torch.empty(meta.numel, dtype=dtype, device=device or "cpu")
                 ch.broadcast(buf)
+            progress["recv_s"] += time.perf_counter() - t
             yield from unpack(buf, meta)
             if session.transport == "cuda_ipc":
                 torch.cuda.current_stream().synchronize()

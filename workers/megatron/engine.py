@@ -96,6 +96,7 @@ class MegatronEngine:
         optim: OptimSettings | dict[str, Any] | None = None,
         load_weights: bool = True,
         recompute: bool = False,
+        fast_forward: bool = True,
     ) -> None:
         from megatron.core import parallel_state as ps
         from transformers import AutoConfig
@@ -108,6 +109,7 @@ class MegatronEngine:
         self.dtype = as_dtype(dtype)
         self.value_head = value_head
         self.trainable = trainable
+        self.fast_forward = fast_forward
         self.device = torch.device("cpu") if cuda_absent() else torch.device("cuda", torch.cuda.current_device())
         overrides: dict[str, Any] = {}
         if recompute:
@@ -214,9 +216,14 @@ class MegatronEngine:
         if not micro_batches:
             return []
 
+        fast = self.fast_forward and cuda_absent()
+
         def step(data_iter: Iterator[Micro], model: torch.nn.Module):
             mb = next(data_iter)
-            out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask)
+            # The model's own forward needs none of CpuDeviceMode's rewrites (torch.cuda.current_device
+            # is patched process-wide); skipping the per-op Python hook saves about a fifth of the time.
+            with torch._C.DisableTorchFunction() if fast else contextlib.nullcontext():
+                out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask)
             return out, lambda output: loss_fn(mb, output)
 
         for chunk in self.chunks:
@@ -311,12 +318,14 @@ class MegatronEngine:
             dist_checkpointing.save(state, str(path))
         torch.distributed.barrier()
 
-    def load_checkpoint(self, path: str | Path, load_optimizer: bool = True) -> dict[str, Any]:
+    def load_checkpoint(self, path: str | Path, load_optimizer: bool = True, load_rng: bool = True) -> dict[str, Any]:
         """Collective: load a checkpoint written by `save_checkpoint`, possibly at another layout.
 
-        The model always reshards. The optimizer, scheduler and RNG load when `load_optimizer` and this
-        engine is trainable; the RNG only at the same TP/PP layout (it is per model-parallel rank), the
-        optimizer at another DP only with the distributed optimizer. Returns the saved metadata."""
+        The model always loads (any TP/PP/DP). With `load_optimizer` (and a trainable engine): the
+        optimizer state, scheduler and step count; the distributed optimizer's state loads at another DP
+        (`dp_reshardable`), not at another TP/PP. Without it, the optimizer's main params are refreshed
+        from the loaded weights (bf16 keeps fp32 copies). The RNG loads with `load_rng` at the same TP/PP
+        layout only (it is per model-parallel rank). Returns the saved metadata."""
         from megatron.core import dist_checkpointing
 
         path = str(path)
@@ -325,8 +334,10 @@ class MegatronEngine:
         same_mp = {k: v for k, v in meta.get("layout", {}).items() if k != "dp"} == {
             k: v for k, v in self._layout().items() if k != "dp"}
         with_opt = load_optimizer and self.optimizer is not None
+        if with_opt:
+            _ensure_adam_state(self.optimizer)  # a never-stepped optimizer has no state to describe
         state = self._sharded_state(with_optimizer=with_opt, is_loading=True)
-        if not same_mp:
+        if not (same_mp and load_rng):
             state.pop("rng")
         with torch.no_grad():
             loaded = dist_checkpointing.load(state, path)
@@ -334,11 +345,13 @@ class MegatronEngine:
             if with_opt:
                 self.optimizer.load_state_dict(loaded["optimizer"])
                 _restore_adam_steps(self.optimizer)
-        if with_opt and "scheduler" in common and self.scheduler is not None:
-            self.scheduler.load_state_dict(common["scheduler"])
+            elif self.optimizer is not None:
+                self.optimizer.reload_model_params()
         if with_opt:
+            if "scheduler" in common and self.scheduler is not None:
+                self.scheduler.load_state_dict(common["scheduler"])
             self.steps = int(meta.get("steps", 0))
-        if "rng" in loaded and with_opt:
+        if "rng" in loaded:
             from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
             rng = loaded["rng"]
@@ -377,6 +390,24 @@ class MegatronEngine:
                 "optim": asdict(self.optim) if self.trainable else None}
 
 
+def _inner_optimizers(optimizer: Any) -> list[Any]:
+    subs = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [s.optimizer for s in subs if getattr(s, "optimizer", None) is not None]
+
+
+def _ensure_adam_state(optimizer: Any) -> None:
+    """Zero Adam state for parameters that have none yet (before loading into a never-stepped optimizer:
+    megatron-core's distributed optimizer with the torch-Adam fallback asserts on a missing 'step')."""
+    for inner in _inner_optimizers(optimizer):
+        for group in inner.param_groups:
+            for p in group["params"]:
+                state = inner.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p.data)
+                    state["exp_avg_sq"] = torch.zeros_like(p.data)
+
+
 def _restore_adam_steps(optimizer: Any) -> None:
     """Give every parameter its own Adam `step` tensor after a checkpoint load.
 
@@ -386,10 +417,7 @@ def _restore_adam_steps(optimizer: Any) -> None:
     correction off; measured 3e-4 weight error after one step at lr 1e-3). Each parameter gets a
     private copy of the saved step (the param group's `step` when present).
     """
-    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(sub, "optimizer", None)
-        if inner is None:
-            continue
+    for inner in _inner_optimizers(optimizer):
         for group in inner.param_groups:
             for p in group["params"]:
                 state = inner.state.get(p)

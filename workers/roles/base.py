@@ -3,7 +3,7 @@
 
 init_kwargs (from `WorkerGroup(init_kwargs=...)`): `model_path` (HF folder), `dtype` ("float32" |
 "bfloat16"), `micro_batch_size`, `optim` (dict of `OptimSettings` fields), `recompute`, `load_weights`,
-`offload` (frozen roles on GPU).
+`offload` (frozen roles on GPU), `fast_forward` (CPU: run the model forward outside the CPU device mode).
 """
 
 from __future__ import annotations
@@ -104,6 +104,7 @@ class MegatronWorker(Worker):
             optim=kw.get("optim"),
             load_weights=kw.get("load_weights", True),
             recompute=kw.get("recompute", False),
+            fast_forward=kw.get("fast_forward", True),
         )
         if self.offload_between_calls:
             self.engine.offload()
@@ -133,9 +134,10 @@ class MegatronWorker(Worker):
         return path
 
     @register(ONE_TO_ALL, collect="rank0")
-    def load_checkpoint(self, path: str, load_optimizer: bool = True) -> dict[str, Any]:
-        """Load a `save_checkpoint` directory (any TP/PP/DP for the model); returns its metadata."""
-        meta = self.engine.load_checkpoint(path, load_optimizer=load_optimizer)
+    def load_checkpoint(self, path: str, load_optimizer: bool = True, load_rng: bool = True) -> dict[str, Any]:
+        """Load a `save_checkpoint` directory (any TP/PP/DP for the model; see
+        `MegatronEngine.load_checkpoint` for the optimizer and RNG); returns its metadata."""
+        meta = self.engine.load_checkpoint(path, load_optimizer=load_optimizer, load_rng=load_rng)
         self._log(f"loaded checkpoint {path} (saved at {meta.get('layout')})")
         return meta
 

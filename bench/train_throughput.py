@@ -1,0 +1,133 @@
+"""Policy train_step throughput: our Megatron PolicyWorker (a Ray actor, megatron-core on CPU) against a
+plain HF transformers model with torch AdamW doing the same PPO micro-batches.
+
+Same model (preset small-qwen2 by default, ~30M Qwen2, fp32), same batch (B sequences of a left-padded
+prompt and a right-padded response of random length), same micro-batches, same loss (PPO clipped
+surrogate with the global token-mean normaliser from `algorithms`), gradient clipping and an AdamW step
+per mini-batch. Both sides use the same number of torch threads and are timed end to end per
+train_step (ours as the driver pays it: dispatch, the step in the actor, metrics back). Tokens/s counts
+real (unpadded) tokens. Prints both rates and `RATIO train_throughput_vs_hf <ours / HF>`.
+Usage: python bench/train_throughput.py [--preset small-qwen2] [--batch 32] [--micro 8] [--steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from workers.batch import Batch, pad_sequences  # noqa: E402
+
+
+def make_batch(n: int, vocab: int, prompt_len: int, resp_len: int, seed: int = 0) -> Batch:
+    """Prompts of prompt_len/2..prompt_len tokens, responses of resp_len/4..resp_len tokens."""
+    g = torch.Generator().manual_seed(seed)
+
+    def seqs(lo: int, hi: int) -> list[torch.Tensor]:
+        return [torch.randint(3, vocab, (int(torch.randint(lo, hi + 1, (1,), generator=g)),), generator=g)
+                for _ in range(n)]
+
+    p_ids, p_mask = pad_sequences(seqs(prompt_len // 2, prompt_len), left=True)
+    r_ids, r_mask = pad_sequences(seqs(resp_len // 4, resp_len))
+    batch = Batch({"input_ids": torch.cat([p_ids, r_ids], 1), "attention_mask": torch.cat([p_mask, r_mask], 1),
+                   "responses": r_ids, "response_mask": r_mask})
+    batch["advantages"] = torch.randn(r_ids.shape, generator=g) * r_mask
+    return batch
+
+
+def hf_step(model, opt, batch: Batch, micro: int, clip: float) -> None:
+    """One PPO train_step the plain way: micro-batches accumulate, then clip and AdamW."""
+    from algorithms import global_normalizer, policy_loss
+
+    r = batch["responses"].shape[1]
+    norm = global_normalizer(batch["response_mask"], "token-mean")
+    opt.zero_grad(set_to_none=True)
+    for mb in batch.chunks(micro):
+        am = mb["attention_mask"]
+        logits = model(input_ids=mb["input_ids"], attention_mask=am,
+                       position_ids=(am.cumsum(-1) - 1).clamp_min(0)).logits[:, -r - 1:-1]
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, mb["responses"].unsqueeze(-1)).squeeze(-1)
+        mask = mb["response_mask"].float()
+        loss, _ = policy_loss(logp, mb["old_logprobs"], mb["advantages"], mask, 0.2, 0.2, normalizer=norm)
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+
+
+def run_both(path: str, batch: Batch, micro: int, steps: int, threads: int, lr: float
+             ) -> tuple[list[float], list[float]]:
+    """Alternate one timed step of ours and one of HF (the first of each warms up), so that a change in
+    machine load hits both sides alike. Returns (ours, hf) step times in seconds."""
+    import ray
+    from transformers import AutoModelForCausalLM
+
+    from workers.group import WorkerGroup
+    from workers.roles import PolicyWorker
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    ray.init(num_cpus=threads, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    ours, hf = [], []
+    try:
+        with tempfile.TemporaryDirectory() as logs:
+            group = WorkerGroup("policy", PolicyWorker, num_cpus_per_worker=threads, num_threads=threads,
+                                timeout_s=900, log_dir=logs,
+                                init_kwargs={"model_path": path, "micro_batch_size": micro,
+                                             "optim": {"lr": lr, "clip_grad": 1.0, "weight_decay": 0.0}})
+            try:
+                for i in range(steps + 1):
+                    t0 = time.perf_counter()
+                    group.train_step(batch, {"micro_batch_size": micro})
+                    t1 = time.perf_counter()
+                    hf_step(model, opt, batch, micro, clip=1.0)
+                    t2 = time.perf_counter()
+                    if i:
+                        ours.append(t1 - t0)
+                        hf.append(t2 - t1)
+            finally:
+                group.shutdown()
+    finally:
+        ray.shutdown()
+    return ours, hf
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="small-qwen2")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--micro", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--resp-len", type=int, default=96)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    args = ap.parse_args()
+
+    from rlhf.tiny_models import create_tiny_model, get_preset
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(create_tiny_model(args.preset, Path(tmp) / args.preset))
+        batch = make_batch(args.batch, get_preset(args.preset).vocab_size, args.prompt_len, args.resp_len)
+        batch["old_logprobs"] = torch.zeros_like(batch["advantages"])  # ratio = exp(logp): a real PPO step
+        tokens = int(batch["attention_mask"].sum())
+        lr = 1e-5
+        ours, hf = run_both(path, batch, args.micro, args.steps, args.threads, lr)
+    ours_tps, hf_tps = tokens / statistics.median(ours), tokens / statistics.median(hf)
+    print(f"model {args.preset}, batch {args.batch} x (prompt <= {args.prompt_len} + response <= {args.resp_len}), "
+          f"{tokens} real tokens, micro-batch {args.micro}, {args.threads} threads, median of {args.steps} steps")
+    print(f"ours (megatron PolicyWorker.train_step via Ray): {ours_tps:9.1f} tok/s  (steps {[round(t, 2) for t in ours]} s)")
+    print(f"HF transformers + torch AdamW:                   {hf_tps:9.1f} tok/s  (steps {[round(t, 2) for t in hf]} s)")
+    print(f"RATIO train_throughput_vs_hf {ours_tps / hf_tps:.3f}")
+
+
+if __name__ == "__main__":
+    main()

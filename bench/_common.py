@@ -22,6 +22,11 @@ import sys
 import time
 from pathlib import Path
 
+# Under CPU contention torch's OpenMP threads spin at barriers, and a 2-thread process ran 5-10x slower than a
+# 1-thread one here (TRL tiny step 3-12 s against 0.8 s at load 8-10); a passive wait policy removes that
+# (0.7 s with 2 threads at load 20). Both sides of every comparison (and this process) get the same setting.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 WORK = REPO / "runs" / "bench"

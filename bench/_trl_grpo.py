@@ -42,18 +42,18 @@ def run(spec: dict) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from algorithms.rewards import get_reward_fn
+    from rlhf.driver.rewards import resolve_reward_fn
 
     out = Path(spec["out_dir"])
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    reward = get_reward_fn(spec.get("reward", "exact_match"))
+    reward = resolve_reward_fn(spec.get("reward", "exact_match"))  # a name or module:function, as our driver
 
     def reward_fn(prompts, completions, answer, **_):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         return [float(reward(p, t, a)) for p, t, a in zip(prompts, texts, answer)]
 
-    reward_fn.__name__ = spec.get("reward", "exact_match")
+    reward_fn.__name__ = spec.get("reward", "exact_match").rpartition(":")[2]
     train = _records(spec["train_file"])
     ds = Dataset.from_list([{"prompt": r["messages"], "answer": str(r["answer"])} for r in train])
 

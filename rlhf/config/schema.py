@@ -150,6 +150,7 @@ class TrainerConfig:
     timeout_s: float = 300.0  # every remote call
     ray_address: Optional[str] = None
     ray_num_cpus: Optional[int] = None
+    dashboard: bool = False  # embedded Ray only: start the dashboard on 127.0.0.1:8265 (about 7 s more)
     global_batch_size: int = 0  # SFT / pretrain: sequences per optimizer step; 0 = micro * dp
     eval_iters: int = 2
     progress_bar: bool = True

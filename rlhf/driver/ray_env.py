@@ -19,6 +19,8 @@ def init_ray(trainer: TrainerConfig) -> bool:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
         return False
     num_cpus = trainer.ray_num_cpus or max(4, os.cpu_count() or 1)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1", runtime_env=env,
-             log_to_driver=True, configure_logging=False)
+    ctx = ray.init(num_cpus=num_cpus, include_dashboard=trainer.dashboard, dashboard_host="127.0.0.1",
+                   _node_ip_address="127.0.0.1", runtime_env=env, log_to_driver=True, configure_logging=False)
+    if trainer.dashboard:
+        print(f"Ray dashboard: http://{ctx.dashboard_url}", flush=True)
     return True

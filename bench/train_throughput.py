@@ -63,9 +63,10 @@ def hf_step(model, opt, batch: Batch, micro: int, clip: float) -> None:
 
 
 def run_both(path: str, batch: Batch, micro: int, steps: int, threads: int, lr: float
-             ) -> tuple[list[float], list[float]]:
+             ) -> tuple[list[float], list[float], list[float], list[float]]:
     """Alternate one timed step of ours and one of HF (the first of each warms up), so that a change in
-    machine load hits both sides alike. Returns (ours, hf) step times in seconds."""
+    machine load hits both sides alike. Returns wall-clock step times in seconds (ours, hf) and the CPU
+    seconds each side's process used per step (ours: the policy actor's, as its train_step reports)."""
     import ray
     from transformers import AutoModelForCausalLM
 
@@ -77,7 +78,7 @@ def run_both(path: str, batch: Batch, micro: int, steps: int, threads: int, lr: 
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     ray.init(num_cpus=threads, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    ours, hf = [], []
+    ours, hf, ours_cpu, hf_cpu = [], [], [], []
     try:
         with tempfile.TemporaryDirectory() as logs:
             group = WorkerGroup("policy", PolicyWorker, num_cpus_per_worker=threads, num_threads=threads,
@@ -87,18 +88,20 @@ def run_both(path: str, batch: Batch, micro: int, steps: int, threads: int, lr: 
             try:
                 for i in range(steps + 1):
                     t0 = time.perf_counter()
-                    group.train_step(batch, {"micro_batch_size": micro})
-                    t1 = time.perf_counter()
+                    m = group.train_step(batch, {"micro_batch_size": micro})
+                    t1, c1 = time.perf_counter(), time.process_time()
                     hf_step(model, opt, batch, micro, clip=1.0)
-                    t2 = time.perf_counter()
+                    t2, c2 = time.perf_counter(), time.process_time()
                     if i:
                         ours.append(t1 - t0)
                         hf.append(t2 - t1)
+                        ours_cpu.append(m["cpu_s"])
+                        hf_cpu.append(c2 - c1)
             finally:
                 group.shutdown()
     finally:
         ray.shutdown()
-    return ours, hf
+    return ours, hf, ours_cpu, hf_cpu
 
 
 def main() -> None:
@@ -120,12 +123,16 @@ def main() -> None:
         batch["old_logprobs"] = torch.zeros_like(batch["advantages"])  # ratio = exp(logp): a real PPO step
         tokens = int(batch["attention_mask"].sum())
         lr = 1e-5
-        ours, hf = run_both(path, batch, args.micro, args.steps, args.threads, lr)
+        ours, hf, ours_cpu, hf_cpu = run_both(path, batch, args.micro, args.steps, args.threads, lr)
     ours_tps, hf_tps = tokens / statistics.median(ours), tokens / statistics.median(hf)
     print(f"model {args.preset}, batch {args.batch} x (prompt <= {args.prompt_len} + response <= {args.resp_len}), "
           f"{tokens} real tokens, micro-batch {args.micro}, {args.threads} threads, median of {args.steps} steps")
     print(f"ours (megatron PolicyWorker.train_step via Ray): {ours_tps:9.1f} tok/s  (steps {[round(t, 2) for t in ours]} s)")
     print(f"HF transformers + torch AdamW:                   {hf_tps:9.1f} tok/s  (steps {[round(t, 2) for t in hf]} s)")
+    cpu_ratio = statistics.median(hf_cpu) / statistics.median(ours_cpu)
+    print(f"CPU seconds per step (median): ours {statistics.median(ours_cpu):.2f}, HF {statistics.median(hf_cpu):.2f} "
+          f"-> CPU-time ratio {cpu_ratio:.3f} (less sensitive to other load on the machine; load1 "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
     print(f"RATIO train_throughput_vs_hf {ours_tps / hf_tps:.3f}")
 
 

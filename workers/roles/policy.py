@@ -101,7 +101,7 @@ class PolicyWorker(RolloutSyncMixin, LogprobMixin, MegatronWorker):
         the steps (policy loss, clipfrac, approx_kl, entropy, kl, grad_norm, lr, skipped_steps, ...)."""
         cfg = PPOLossConfig.from_any(loss_config)
         eng = self.engine
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), time.process_time()
         minis = batch.split(max(1, cfg.mini_batches))
         keys = ["responses", "response_mask", "advantages", "old_logprobs", "ref_logprobs"]
         use_kl = cfg.kl_coef > 0 and "ref_logprobs" in batch
@@ -146,6 +146,7 @@ class PolicyWorker(RolloutSyncMixin, LogprobMixin, MegatronWorker):
                 per_step.append(metrics)
         out = _mean_steps(per_step)
         out["time_s"] = time.monotonic() - t0
+        out["cpu_s"] = time.process_time() - c0  # this rank's CPU time (all its threads)
         return out
 
     @register(DP_COMPUTE, pad=False)

@@ -119,6 +119,14 @@ def test_distributed_optimizer_checkpoint_loads_at_another_dp(env, tmp_path):
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
 
 
+def test_hf_export_from_pp2_reloads_in_transformers(env, tmp_path):
+    g = env["groups"]["pp2"]
+    batch = make_rl_batch(n=6, seed=9)
+    out = g.save_hf_weights(str(tmp_path / "hf"))
+    ours = g.compute_logprobs(batch)["logprobs"]
+    assert (hf_logprobs(out, batch) - ours).abs().max() <= 1e-4
+
+
 def test_nonfinite_step_is_skipped(env):
     g = env["groups"]["dp2"]
     batch = make_rl_batch(n=4, seed=5)

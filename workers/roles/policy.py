@@ -20,7 +20,7 @@ from workers.megatron.engine import Micro
 from workers.roles.base import MegatronWorker, Metrics
 from workers.roles.logits import vocab_parallel_logprobs
 from workers.roles.micro import make_micro, pad_right, response_micros, response_slice
-from workers.roles.weights import put_buckets, save_hf_folder
+from workers.roles.weights import put_buckets
 from workers.rollout.policy_mixin import RolloutSyncMixin
 
 
@@ -198,9 +198,12 @@ class PolicyWorker(RolloutSyncMixin, LogprobMixin, MegatronWorker):
         return put_buckets(self.engine, bucket_mb)
 
     @register(ONE_TO_ALL, collect="rank0")
-    def save_hf_weights(self, out_dir: str, max_shard_mb: float = 2048.0) -> str:
-        """Write the full weights as a HF folder (safetensors + index + config.json) into `out_dir`."""
-        return str(save_hf_folder(self.engine, out_dir, self.ctx.rank, max_shard_mb))
+    def save_hf_weights(self, out_dir: str, tokenizer_path: str | None = None) -> str:
+        """Write the full weights as a HF folder (safetensors per pipeline stage + index, config.json,
+        generation config, tokenizer from `tokenizer_path` or the model folder) into `out_dir`; collective."""
+        from workers.roles.hf_export import export_hf_folder
+
+        return str(export_hf_folder(self.engine, out_dir, tokenizer_path or self.engine.model_path))
 
 
 def _mean_steps(per_step: list[dict[str, float]]) -> dict[str, float]:

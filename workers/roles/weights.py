@@ -7,9 +7,7 @@ every tensor exactly once, whatever the layout.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,30 +47,4 @@ def fetch_state_dict(refs: list[Any], timeout_s: float | None = None) -> dict[st
     out: dict[str, torch.Tensor] = {}
     for ref in refs:
         out.update(ray.get(ref, timeout=timeout_s))
-    return out
-
-
-def save_hf_folder(engine: Any, out_dir: str | Path, rank: int, max_shard_mb: float = 2048.0) -> Path:
-    """Write safetensors files (one or more per pipeline stage) and, on rank 0, config.json and the
-    index into `out_dir`. Collective over the whole world."""
-    from megatron.core import parallel_state as ps
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stage = ps.get_pipeline_model_parallel_rank()
-    for i, bucket in enumerate(source_buckets(engine, max_shard_mb)):
-        save_file({k: v.contiguous() for k, v in bucket.items()}, str(out / f"model-pp{stage:02d}-{i:05d}.safetensors"),
-                  metadata={"format": "pt"})
-    torch.distributed.barrier()
-    if rank == 0:
-        weight_map = {}
-        for f in sorted(out.glob("model-pp*.safetensors")):
-            with safe_open(str(f), framework="pt") as h:
-                weight_map.update({k: f.name for k in h.keys()})
-        engine.hf_config.save_pretrained(out)
-        (out / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, indent=1) + "\n")
-    torch.distributed.barrier()
     return out

@@ -7,7 +7,7 @@ tokenisation, generation and decoding of the responses (ours also builds the out
 Scales: "small": ~30M Qwen2 (preset small-qwen2), 16 prompts x 8 samples x 128 tokens;
 "tiny": the arithmetic example's model (arith-qwen2, ~0.8M), 16 prompts x 8 samples x 8 tokens (the
 GRPO example's rollout). Prints `RATIO rollout_<scale> <ours/HF tokens per second>`.
-Usage: python bench/rollout.py [--scales small,tiny] [--reps 3]
+Usage: python bench/rollout.py [--scales small,tiny] [--reps 2]
 """
 
 from __future__ import annotations
@@ -42,21 +42,21 @@ def bench_hf(path: str, msgs: list, n: int, max_tokens: int, dtype: str, reps: i
 
     tok = AutoTokenizer.from_pretrained(path, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
-    rates = []
-    for i in range(reps + 1):
+    def run(new_tokens: int) -> float:
         t0 = time.perf_counter()
         texts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in msgs]
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.inference_mode():
             out = model.generate(**enc, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                                 num_return_sequences=n, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                 num_return_sequences=n, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                  use_cache=True, pad_token_id=tok.pad_token_id)
         resp = out[:, enc["input_ids"].shape[1]:]
         tok.batch_decode(resp, skip_special_tokens=True)
-        dt = time.perf_counter() - t0
-        if i:  # the first run warms up
-            rates.append(resp.numel() / dt)
-    return statistics.median(rates)
+        assert resp.numel() == len(msgs) * n * new_tokens
+        return resp.numel() / (time.perf_counter() - t0)
+
+    run(min(4, max_tokens))  # warm-up
+    return statistics.median(run(max_tokens) for _ in range(reps))
 
 
 def bench_ours(path: str, msgs: list, n: int, max_tokens: int, dtype: str, reps: int, work: str):
@@ -75,14 +75,15 @@ def bench_ours(path: str, msgs: list, n: int, max_tokens: int, dtype: str, reps:
     )
     w = RolloutWorker(cfg)
     sp = SamplingConfig(n=n, max_tokens=max_tokens, temperature=1.0, ignore_eos=True, seed=0)
+    for i in range(2):  # warm-up (the first call compiles the logprob gather)
+        w.generate(msgs, sp.with_(seed=100 + i, max_tokens=min(4, max_tokens)))
     rates = []
-    for i in range(reps + 2):
+    for i in range(reps):
         t0 = time.perf_counter()
         out = w.generate(msgs, sp.with_(seed=i))
         dt = time.perf_counter() - t0
         assert int(out["response_mask"].sum()) == seqs * max_tokens
-        if i >= 2:  # two warm-up calls (the first compiles the logprob gather)
-            rates.append(seqs * max_tokens / dt)
+        rates.append(seqs * max_tokens / dt)
     info = w.info()
     w.shutdown()
     return statistics.median(rates), info
@@ -91,7 +92,7 @@ def bench_ours(path: str, msgs: list, n: int, max_tokens: int, dtype: str, reps:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--scales", default="small,tiny")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=2)
     args = ap.parse_args()
     import torch
 
@@ -113,6 +114,7 @@ def main() -> None:
         print(f"[{scale}] ours: {ours:,.0f} tok/s  engine settings: {settings}")
         print(f"[{scale}] HF generate ({hf_dtype}, KV cache, batched): {hf:,.0f} tok/s")
         results[scale] = ours / hf
+    print(f"load average after the runs: {os.getloadavg()[0]:.1f} (2 cores; timings are wall clock)")
     for scale, ratio in results.items():
         print(f"RATIO rollout_{scale} {ratio:.3f}")
 

@@ -106,3 +106,18 @@ def test_prompts_normalise_chat_text_and_ids(tiny_model_factory):
     assert ids.ids == [[5, 6, 7]] and isinstance(ids.text[0], str)
     with pytest.raises(ValueError, match="meta fields"):
         normalise(Batch(meta={"question": ["x"]}), tok)
+
+
+def test_receive_buffers_are_reused_only_when_no_view_lives():
+    from workers.rollout.buckets import BucketMeta, BufferPool
+
+    pool = BufferPool()
+    meta = BucketMeta(0, "float32", ["a", "b"], [(2, 2), (3,)], [0, 4], 7)
+    first = pool.get(7, torch.float32, "cpu")
+    held = dict(pool.views(first, meta))  # vLLM still holds these views
+    second = pool.get(7, torch.float32, "cpu")
+    assert second.data_ptr() != first.data_ptr()
+    del held
+    list(pool.views(second, meta))  # views consumed and dropped at once
+    third = pool.get(5, torch.float32, "cpu")
+    assert third.data_ptr() in (first.data_ptr(), second.data_ptr()) and third.numel() == 5

@@ -64,29 +64,40 @@ def unpack(buf: torch.Tensor, meta: BucketMeta) -> Iterator[tuple[str, torch.Ten
 class BucketPacker:
     """Streams (name, tensor) pairs into buckets of at most `bucket_bytes` (whole groups only).
 
-    The packing buffer is allocated once and reused, so a transport must finish with a bucket (send it
-    or copy it) before asking for the next; `buckets()` yields (buffer view, meta).
+    Buckets are packed into `num_buffers` buffers in turn, so a bucket stays valid while the next
+    `num_buffers - 1` are packed (with 2, a transport can send one asynchronously while the next is
+    gathered). `buckets()` yields (buffer view, meta). Buffers handed in (`buffers`, from an earlier
+    sync) are reused: a fresh buffer costs page faults as dear as the copy itself.
     """
 
-    def __init__(self, bucket_bytes: int, dtype: str | torch.dtype, device: str | torch.device = "cpu") -> None:
+    def __init__(self, bucket_bytes: int, dtype: str | torch.dtype, device: str | torch.device = "cpu",
+                 buffers: list[torch.Tensor] | None = None, num_buffers: int = 1) -> None:
         self.dtype = torch_dtype(dtype)
         self.dtype_name = str(self.dtype).replace("torch.", "")
         self.capacity = max(1, int(bucket_bytes) // self.dtype.itemsize)
         self.device = torch.device(device)
-        self._buf: torch.Tensor | None = None
+        old = [b for b in (buffers or []) if b.dtype == self.dtype and b.device.type == self.device.type]
+        self._bufs: list[torch.Tensor | None] = (old + [None] * num_buffers)[:num_buffers]
+        self._cur = 0
         self.num_buckets = 0
         self.num_tensors = 0
         self.total_bytes = 0
         self.max_bucket_bytes = 0
 
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """The packing buffers (hand them to the next packer to reuse them)."""
+        return [b for b in self._bufs if b is not None]
+
     def _buffer(self, numel: int) -> torch.Tensor:
         need = max(numel, self.capacity)
-        if self._buf is None or self._buf.numel() < need:
-            self._buf = torch.empty(need, dtype=self.dtype, device=self.device)
-        return self._buf
+        buf = self._bufs[self._cur]
+        if buf is None or buf.numel() < need:
+            buf = self._bufs[self._cur] = torch.empty(need, dtype=self.dtype, device=self.device)
+        return buf
 
     def buckets(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[torch.Tensor, BucketMeta]]:
-        """Consume `weights` and yield full buckets in order (each valid until the next is requested)."""
+        """Consume `weights` and yield full buckets in order."""
         self._meta = BucketMeta(0, self.dtype_name)
         group: list[tuple[str, torch.Tensor]] = []
         key = None
@@ -123,5 +134,44 @@ class BucketPacker:
         self.num_buckets += 1
         self.total_bytes += meta.nbytes
         self.max_bucket_bytes = max(self.max_bucket_bytes, meta.nbytes)
-        assert self._buf is not None
-        return self._buf[: meta.numel], meta
+        buf = self._bufs[self._cur]
+        assert buf is not None
+        self._cur = (self._cur + 1) % len(self._bufs)
+        return buf[: meta.numel], meta
+
+
+class BufferPool:
+    """Receive buffers reused across buckets and syncs, never while a view handed out from them is alive.
+
+    vLLM may hold views of a bucket until its module is complete (or until the end of the reload, for a
+    vocab-padded embedding), so a buffer is reused only when every view yielded from it has been freed
+    (tracked with weak references); otherwise a new one is allocated.
+    """
+
+    def __init__(self, max_buffers: int = 3) -> None:
+        self.max_buffers = max_buffers
+        self._pool: list[tuple[torch.Tensor, list]] = []
+
+    def get(self, numel: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        device = torch.device(device)
+        for i, (buf, refs) in enumerate(self._pool):
+            if (buf.numel() >= numel and buf.dtype == dtype and buf.device == device
+                    and all(r() is None for r in refs)):
+                refs.clear()
+                self._pool.append(self._pool.pop(i))
+                return buf[:numel]
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        self._pool.append((buf, []))
+        if len(self._pool) > self.max_buffers:
+            self._pool.pop(0)
+        return buf
+
+    def views(self, buf: torch.Tensor, meta: BucketMeta) -> Iterator[tuple[str, torch.Tensor]]:
+        """`unpack(buf, meta)`, remembering each view so the buffer is not reused while one lives."""
+        import weakref
+
+        refs = next((r for b, r in self._pool if b.data_ptr() == buf.data_ptr()), None)
+        for name, view in unpack(buf, meta):
+            if refs is not None:
+                refs.append(weakref.ref(view))
+            yield name, view

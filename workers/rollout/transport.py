@@ -127,6 +127,7 @@ class Channel:
         self.size = 1 + session.num_receivers
         self.prefix = f"chan{session.channel}/stage{stage}"
         self._pg: Any = None
+        self.pack_buffers: list[torch.Tensor] = []  # the source's bucket buffers, kept between syncs
 
     def set_timeout(self, timeout_s: float) -> None:
         self.timeout = datetime.timedelta(seconds=timeout_s)
@@ -150,11 +151,15 @@ class Channel:
     def fetch(self, key: str) -> Any:
         return pickle.loads(self.store.get(key))
 
-    def broadcast(self, tensor: torch.Tensor) -> None:
+    def broadcast_async(self, tensor: torch.Tensor) -> Any:
+        """Start broadcasting `tensor` from rank 0; returns the work (`.wait(timeout)`)."""
         opts = torch.distributed.BroadcastOptions()
         opts.rootRank = 0
         opts.timeout = self.timeout
-        self.pg.broadcast([tensor], opts).wait(self.timeout)
+        return self.pg.broadcast([tensor], opts)
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        self.broadcast_async(tensor).wait(self.timeout)
 
     def close(self) -> None:
         self._pg = None

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from workers.rollout.buckets import BucketMeta, BucketPacker, torch_dtype, unpack
+from workers.rollout.buckets import BucketMeta, BucketPacker, BufferPool, torch_dtype
 from workers.rollout.transport import (
     SyncSession,
     WeightSyncError,
@@ -48,6 +48,7 @@ from workers.rollout.transport import (
 
 log = logging.getLogger(__name__)
 END = "end"
+_RECV_POOL = BufferPool()  # receive buffers of this process, reused across syncs
 
 
 # ---- sender: every policy rank -----------------------------------------------------------------------
@@ -59,16 +60,18 @@ def send_weights(weights: Iterable[tuple[str, torch.Tensor]], session: SyncSessi
         n = sum(1 for _ in weights)
         return {"rank": rank, "source": False, "tensors": n, "time_s": time.perf_counter() - t0}
     device = "cuda" if session.transport in ("nccl", "cuda_ipc") else "cpu"
-    packer = BucketPacker(session.bucket_bytes, session.dtype, device=device)
+    sender: _Sender | None = None
+    error: BaseException | None = None
+    try:
+        sender = _Sender(get_channel(session, stage, rank=0), session, stage)
+    except BaseException as exc:  # noqa: BLE001 - reported after draining
+        error = exc
+    # Two packing buffers: bucket k is broadcast asynchronously while bucket k+1 is gathered and packed.
+    packer = BucketPacker(session.bucket_bytes, session.dtype, device=device,
+                          buffers=sender.ch.pack_buffers if sender else None,
+                          num_buffers=1 if session.transport == "cuda_ipc" else 2)
     clock = {"gather_s": 0.0, "send_s": 0.0}
     weights = _timed(weights, clock, "gather_s")
-    error: BaseException | None = None
-    sent = 0
-    ipc_buffers: list[torch.Tensor] = []
-    try:
-        ch = get_channel(session, stage, rank=0)
-    except BaseException as exc:  # noqa: BLE001 - reported after draining
-        error, ch = exc, None
     for buf, meta in packer.buckets(weights):
         if error is not None:
             continue  # keep iterating: the other ranks of this stage are in the same collectives
@@ -76,27 +79,70 @@ def send_weights(weights: Iterable[tuple[str, torch.Tensor]], session: SyncSessi
             if session.stall_s and stage == 0 and meta.index == session.stall_bucket:
                 time.sleep(session.stall_s)
             t = time.perf_counter()
-            _send_bucket(ch, session, stage, buf, meta, ipc_buffers)
+            sender.send(buf, meta)  # type: ignore[union-attr]
             clock["send_s"] += time.perf_counter() - t
-            sent += 1
         except BaseException as exc:  # noqa: BLE001
             error = exc
     if error is None:
         try:
-            ch.publish(session.key(stage, f"b{sent}"), END)
-            if session.transport == "cuda_ipc":
-                _wait_acks(ch, session, stage, sent - 1)
+            t = time.perf_counter()
+            sender.finish()  # type: ignore[union-attr]
+            clock["send_s"] += time.perf_counter() - t
         except BaseException as exc:  # noqa: BLE001
             error = exc
+    if sender is not None:
+        sender.ch.pack_buffers = packer.buffers
     if error is not None:
         drop_channels(session)
         what = "timed out" if is_timeout(error) else "failed"
+        sent = sender.sent if sender else 0
         msg = (f"weight sync {what}: policy rank {rank} (pipeline stage {stage}) could not send bucket "
                f"{sent} to the rollout engines ({session.transport}, timeout {session.timeout_s:g}s): {error}")
         raise (WeightSyncTimeout if is_timeout(error) else WeightSyncError)(msg) from error
     return {"rank": rank, "source": True, "stage": stage, "buckets": packer.num_buckets,
             "tensors": packer.num_tensors, "bytes": packer.total_bytes, "max_bucket_bytes": packer.max_bucket_bytes,
             "time_s": time.perf_counter() - t0, **clock}
+
+
+class _Sender:
+    """The source rank's side of one stage: publish each bucket's meta, then move its data.
+
+    gloo / nccl: the broadcast of bucket k runs in the process group's thread while the caller packs
+    bucket k+1 into the other buffer; it is waited for before bucket k+1 is sent. CUDA IPC: a copy of
+    each bucket is shared by handle, double-buffered against the engines' acknowledgements.
+    """
+
+    def __init__(self, ch: Any, session: SyncSession, stage: int) -> None:
+        self.ch, self.session, self.stage = ch, session, stage
+        self.sent = 0
+        self._work: Any = None
+        self._ipc: list[torch.Tensor] = []
+
+    def send(self, buf: torch.Tensor, meta: BucketMeta) -> None:
+        key = self.session.key(self.stage, f"b{meta.index}")
+        if self.session.transport == "cuda_ipc":
+            if meta.index >= 2:
+                _wait_acks(self.ch, self.session, self.stage, meta.index - 2)  # that copy is free again
+            own = buf.clone()
+            self._ipc = (self._ipc + [own])[-2:]
+            torch.cuda.current_stream().synchronize()
+            self.ch.publish(key, (meta, ipc_handle(own)))
+        else:
+            self._wait()
+            self.ch.publish(key, meta)
+            self._work = self.ch.broadcast_async(buf)
+        self.sent += 1
+
+    def _wait(self) -> None:
+        if self._work is not None:
+            work, self._work = self._work, None
+            work.wait(self.ch.timeout)
+
+    def finish(self) -> None:
+        self._wait()
+        self.ch.publish(self.session.key(self.stage, f"b{self.sent}"), END)
+        if self.session.transport == "cuda_ipc":
+            _wait_acks(self.ch, self.session, self.stage, self.sent - 1)
 
 
 def _timed(it: Iterable[Any], clock: dict[str, float], key: str) -> Iterator[Any]:
@@ -111,23 +157,6 @@ def _timed(it: Iterable[Any], clock: dict[str, float], key: str) -> Iterator[Any
             return
         clock[key] += time.perf_counter() - t
         yield item
-
-
-def _send_bucket(ch: Any, session: SyncSession, stage: int, buf: torch.Tensor, meta: BucketMeta,
-                 ipc_buffers: list[torch.Tensor]) -> None:
-    key = session.key(stage, f"b{meta.index}")
-    if session.transport == "cuda_ipc":
-        if meta.index >= 2:
-            _wait_acks(ch, session, stage, meta.index - 2)  # double-buffered: the older one is free again
-        own = buf.clone()
-        ipc_buffers.append(own)
-        if len(ipc_buffers) > 2:
-            ipc_buffers.pop(0)
-        torch.cuda.current_stream().synchronize()
-        ch.publish(key, (meta, ipc_handle(own)))
-        return
-    ch.publish(key, meta)
-    ch.broadcast(buf)
 
 
 def _wait_acks(ch: Any, session: SyncSession, stage: int, index: int) -> None:
@@ -192,10 +221,10 @@ def _stream(session: SyncSession, rank: int, progress: dict[str, Any]) -> Iterat
                     buf = buf.to(device)
             else:
                 meta = item
-                buf = torch.empty(meta.numel, dtype=dtype, device=device or "cpu")
+                buf = _RECV_POOL.get(meta.numel, dtype, device or "cpu")
                 ch.broadcast(buf)
             progress["recv_s"] += time.perf_counter() - t
-            yield from unpack(buf, meta)
+            yield from _RECV_POOL.views(buf, meta)
             if session.transport == "cuda_ipc":
                 torch.cuda.current_stream().synchronize()
                 ch.store.set(session.key(stage, f"ack{k}/r{rank}"), b"1")

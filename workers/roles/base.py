@@ -3,7 +3,8 @@
 
 init_kwargs (from `WorkerGroup(init_kwargs=...)`): `model_path` (HF folder), `dtype` ("float32" |
 "bfloat16"), `micro_batch_size`, `optim` (dict of `OptimSettings` fields), `recompute`, `load_weights`,
-`offload` (frozen roles on GPU), `fast_forward` (CPU: run the model forward outside the CPU device mode).
+`offload` (frozen roles on GPU), `pack_sequences` (RL batches: pack each micro-batch's sequences into
+one row, no compute on padding; default True), `fast_forward` (CPU: run the model forward outside the CPU device mode).
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ class MegatronWorker(Worker):
         kw = self.init_kwargs
         self.micro_batch_size = int(kw.get("micro_batch_size", 8))
         self.offload_between_calls = bool(kw.get("offload", False))
+        self.pack_sequences = bool(kw.get("pack_sequences", True))
         self.engine = MegatronEngine(
             kw["model_path"],
             dtype=kw.get("dtype", "float32"),

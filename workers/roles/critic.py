@@ -18,7 +18,7 @@ from workers.batch import Batch
 from workers.dispatch import DP_COMPUTE, register, split_by_minibatch
 from workers.megatron.engine import Micro
 from workers.roles.base import MegatronWorker, Metrics
-from workers.roles.micro import pad_right, response_micros, response_slice
+from workers.roles.micro import pad_right, response_micros, response_slice, restore_order
 from workers.roles.policy import _from_any, _mean_steps
 
 
@@ -43,17 +43,24 @@ class CriticWorker(MegatronWorker):
         """`values` [B, R] for the response positions (0 at padding)."""
         eng = self.engine
         r = batch["responses"].shape[1]
-        micros = response_micros(batch, micro_batch_size or self.micro_batch_size, ["responses"], eng.device)
+        micros = response_micros(batch, micro_batch_size or self.micro_batch_size, ["responses"], eng.device,
+                                 pack=self.pack_sequences)
 
         def loss_fn(mb: Micro, out: torch.Tensor):
             sl, _ = response_slice(mb, out)
-            return torch.zeros((), device=out.device), {"values": pad_right(sl[..., 0].float().cpu(), r)}
+            data = {"values": pad_right(sl[..., 0].float().cpu(), r)}
+            if "_index" in mb.fields:
+                data["_index"] = mb.fields["_index"]
+            return torch.zeros((), device=out.device), data
 
         with self.onloaded():
             outs = eng.forward_backward(micros, loss_fn, forward_only=True)
         if not outs:
             return Batch()
-        values = torch.cat([o["values"] for o in outs])
+        if "_index" in outs[0]:
+            values = restore_order([o["values"] for o in outs], [o["_index"] for o in outs])
+        else:
+            values = torch.cat([o["values"] for o in outs])
         if "response_mask" in batch:
             values = values * batch["response_mask"].to(values.dtype)
         return Batch({"values": values})
@@ -70,13 +77,14 @@ class CriticWorker(MegatronWorker):
         for _ in range(max(1, cfg.ppo_epochs)):
             for mini in batch.split(max(1, cfg.mini_batches)):
                 norm = self.dp_all_reduce(global_normalizer(mini["response_mask"], cfg.agg_mode))
-                micros = response_micros(mini, cfg.micro_batch_size or self.micro_batch_size, keys, eng.device)
+                micros = response_micros(mini, cfg.micro_batch_size or self.micro_batch_size, keys, eng.device,
+                                         pack=self.pack_sequences)
                 scale = len(micros) * eng.dp_size()
                 acc = Metrics()
 
                 def loss_fn(mb: Micro, out: torch.Tensor, norm=norm, scale=scale, acc=acc):
                     sl, r_eff = response_slice(mb, out)
-                    f = {k: v[:, :r_eff] for k, v in mb.fields.items() if k != "_resp_col"}
+                    f = {k: v[:, :r_eff] for k, v in mb.fields.items() if not k.startswith("_")}
                     mask = f["response_mask"].to(torch.float32)
                     loss, m = value_loss(sl[..., 0].float(), f["values"].float(), f["returns"].float(), mask,
                                          cfg.value_clip, cfg.agg_mode, normalizer=norm)

@@ -19,7 +19,7 @@ from workers.dispatch import DP_COMPUTE, ONE_TO_ALL, register, split_by_minibatc
 from workers.megatron.engine import Micro
 from workers.roles.base import MegatronWorker, Metrics
 from workers.roles.logits import vocab_parallel_logprobs
-from workers.roles.micro import make_micro, pad_right, response_micros, response_slice
+from workers.roles.micro import make_micro, pad_right, response_micros, response_slice, restore_order
 from workers.roles.weights import put_buckets
 from workers.rollout.policy_mixin import RolloutSyncMixin
 
@@ -63,7 +63,8 @@ class LogprobMixin:
     def _logprob_pass(self, batch: Batch, with_entropy: bool, key: str, micro_batch_size: int | None) -> Batch:
         eng = self.engine
         r = batch["responses"].shape[1]
-        micros = response_micros(batch, micro_batch_size or self.micro_batch_size, ["responses"], eng.device)
+        micros = response_micros(batch, micro_batch_size or self.micro_batch_size, ["responses"], eng.device,
+                                 pack=self.pack_sequences)
 
         def loss_fn(mb: Micro, logits: torch.Tensor):
             sl, _ = response_slice(mb, logits)
@@ -72,13 +73,19 @@ class LogprobMixin:
             data = {key: pad_right(logp.float().cpu(), r)}
             if with_entropy:
                 data["entropy"] = pad_right(ent.float().cpu(), r)
+            if "_index" in mb.fields:
+                data["_index"] = mb.fields["_index"]
             return torch.zeros((), device=logits.device), data
 
         with self.onloaded():
             outs = eng.forward_backward(micros, loss_fn, forward_only=True)
         if not outs:
             return Batch()
-        tensors = {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
+        names = [k for k in outs[0] if k != "_index"]
+        if "_index" in outs[0]:
+            tensors = {k: restore_order([o[k] for o in outs], [o["_index"] for o in outs]) for k in names}
+        else:
+            tensors = {k: torch.cat([o[k] for o in outs]) for k in names}
         mask = batch["response_mask"].to(torch.float32) if "response_mask" in batch else None
         if mask is not None:
             tensors = {k: v * mask for k, v in tensors.items()}
@@ -110,13 +117,14 @@ class PolicyWorker(RolloutSyncMixin, LogprobMixin, MegatronWorker):
         for _ in range(max(1, cfg.ppo_epochs)):
             for mini in minis:
                 norm = self.dp_all_reduce(global_normalizer(mini["response_mask"], cfg.agg_mode))
-                micros = response_micros(mini, cfg.micro_batch_size or self.micro_batch_size, keys, eng.device)
+                micros = response_micros(mini, cfg.micro_batch_size or self.micro_batch_size, keys, eng.device,
+                                         pack=self.pack_sequences)
                 scale = len(micros) * eng.dp_size()
                 acc = Metrics()
 
                 def loss_fn(mb: Micro, logits: torch.Tensor, norm=norm, scale=scale, acc=acc):
                     sl, r_eff = response_slice(mb, logits)
-                    f = {k: v[:, :r_eff] for k, v in mb.fields.items() if k != "_resp_col"}
+                    f = {k: v[:, :r_eff] for k, v in mb.fields.items() if not k.startswith("_")}
                     mask = f["response_mask"].to(torch.float32)
                     logp, ent = vocab_parallel_logprobs(sl, f["responses"], eng.vocab_size, need_entropy)
                     pg, m = policy_loss(logp, f["old_logprobs"].float(), f["advantages"].float(), mask,

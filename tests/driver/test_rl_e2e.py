@@ -55,7 +55,7 @@ def test_ppo_two_steps(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     rows = [row for row in metrics(run) if row["step"] > 0]
     assert len(rows) == 2
-    for key in ("reward_mean", "kl", "kl_coef", "critic/value_loss", "time/critic", "time/reference"):
+    for key in ("reward_mean", "kl", "kl_coef", "critic/vf_loss", "time/critic", "time/reference"):
         assert key in rows[0], key
     latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
     assert (latest / "critic").is_dir() and (latest / "policy").is_dir()

@@ -53,6 +53,10 @@ class Toy(Worker):
     def rows(self, batch: Batch, cfg: dict) -> dict:
         return {"dp": self.dp_rank, "x": batch["x"].tolist()}
 
+    @register(ONE_TO_ALL)
+    def nice(self) -> int:
+        return os.nice(0)
+
     @register(ALL_TO_ALL)
     def echo(self, v: str) -> tuple[int, str]:
         return self.ctx.rank, v
@@ -97,6 +101,7 @@ def test_dispatch_modes(group):
     assert group.all_reduce(1.0) == [10.0] * 4  # (1+0)+(1+1)+(1+2)+(1+3), a collective over the world
     assert group.rank0_value() == 100
     assert group.my_items() == [1, 3]
+    assert group.nice() == [0, 0, 0, 0]  # Ray starts workers at nice 15; the ranks run at normal priority
     assert group.echo(["a", "b", "c", "d"]) == [(0, "a"), (1, "b"), (2, "c"), (3, "d")]
     out = group.double(Batch({"x": torch.arange(7)}))  # 7 rows over dp=2: padded to 8, pad removed
     assert out["y"].tolist() == [0, 6, 12, 18, 24, 30, 36]

@@ -97,7 +97,8 @@ class WorkerGroup:
     apart). Pass the same `ResourcePool` to several groups to colocate them.
     `timeout_s` bounds every call (override per call with `GroupFuture.get(timeout_s=)`),
     `collective_timeout_s` every torch.distributed collective, `init_timeout_s` the start-up.
-    Each rank logs to `log_dir/<name>/<dpX-tpY-ppZ>.log`.
+    Each rank logs to `log_dir/<name>/<dpX-tpY-ppZ>.log`. `niceness` (default 0) undoes Ray's nice 15
+    for the ranks (None keeps it); `num_threads` sets torch's intra-op threads per rank.
     """
 
     def __init__(
@@ -120,6 +121,7 @@ class WorkerGroup:
         num_threads: int | None = None,
         env_vars: dict[str, str] | None = None,
         backend: str | None = None,
+        niceness: int | None = 0,
     ) -> None:
         if min(tp, pp, dp) < 1:
             raise ValueError(f"{role}: tp, pp and dp must be >= 1, got tp={tp} pp={pp} dp={dp}")
@@ -143,7 +145,8 @@ class WorkerGroup:
                 self._reserved.append(rank)
             self.names = [rank_name(self.name, *layout_of(r, tp, pp, dp)) for r in range(self.world_size)]
             self.infos: list[dict[str, Any]] = [{"name": n, "rank": r} for r, n in enumerate(self.names)]
-            self._spawn(init_kwargs or {}, collective_timeout_s or timeout_s, seed, num_threads, env_vars, backend)
+            self._spawn(init_kwargs or {}, collective_timeout_s or timeout_s, seed, num_threads, env_vars, backend,
+                        niceness)
             self._init_world(init_timeout_s or max(timeout_s, 120.0))
         except BaseException:
             self.shutdown()
@@ -151,7 +154,7 @@ class WorkerGroup:
 
     # ---- start-up -----------------------------------------------------------------------------
     def _spawn(self, init_kwargs: dict, collective_timeout_s: float, seed: int, num_threads: int | None,
-               env_vars: dict[str, str] | None, backend: str | None) -> None:
+               env_vars: dict[str, str] | None, backend: str | None, niceness: int | None) -> None:
         remote_cls = ray.remote(self.worker_cls)
         for name in self.names:
             try:
@@ -164,6 +167,7 @@ class WorkerGroup:
                 role=self.role, name=name, rank=rank, world_size=self.world_size, tp=self.tp, pp=self.pp,
                 dp=self.dp, log_path=str(self.log_dir / self.name / (name.split("/", 1)[1] + ".log")),
                 timeout_s=collective_timeout_s, backend=backend, seed=seed, num_threads=num_threads,
+                niceness=niceness,
             )
             options: dict[str, Any] = dict(
                 name=name,

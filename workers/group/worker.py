@@ -39,6 +39,7 @@ class WorkerContext:
     backend: str | None = None  # None: gloo without CUDA, nccl with it
     seed: int = 1234
     num_threads: int | None = None  # torch intra-op threads (None: leave torch's default)
+    niceness: int | None = 0  # CPU priority of the rank (Ray starts workers at nice 15); None: leave it
 
 
 def layout_of(rank: int, tp: int, pp: int, dp: int) -> tuple[int, int, int]:
@@ -74,6 +75,8 @@ class Worker:
         self.init_kwargs = init_kwargs
         self.dp_rank, self.tp_rank, self.pp_rank = layout_of(ctx.rank, ctx.tp, ctx.pp, ctx.dp)
         self._setup_logging()
+        if ctx.niceness is not None:
+            set_niceness(ctx.niceness)
         if ctx.num_threads:
             import torch
 
@@ -177,6 +180,22 @@ class Worker:
         sys.stdout = _Tee(sys.stdout, self._log_file)
         sys.stderr = _Tee(sys.stderr, self._log_file)
         faulthandler.enable(file=self._log_file, all_threads=True)
+
+
+def set_niceness(value: int) -> None:
+    """Set the nice value of every thread of this process (Linux niceness is per thread; threads created
+    later inherit it from their creator). Ray starts worker processes at nice 15, which on a shared
+    machine starves the ranks that do the training; lowering it needs CAP_SYS_NICE (root), otherwise a
+    warning is logged and the value is left alone."""
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    try:
+        for tid in tids:
+            os.setpriority(os.PRIO_PROCESS, tid, value)
+    except (PermissionError, ProcessLookupError, OSError) as e:
+        log.warning("could not set the nice value to %d (%s); the rank keeps nice %d", value, e, os.nice(0))
 
 
 def tail_file(path: str | Path, lines: int = 30) -> str:

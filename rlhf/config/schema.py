@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 
 @dataclass
@@ -35,7 +34,7 @@ class ResourceConfig:
 
     num_cpus_per_worker: float = 0.5
     num_gpus_per_worker: float = 0.0
-    colocate_with: Optional[str] = None  # name of a role whose placement group this role shares
+    colocate_with: str | None = None  # name of a role whose placement group this role shares
 
 
 @dataclass
@@ -43,7 +42,7 @@ class RoleConfig:
     """A Megatron worker group: policy, reference, critic or reward model."""
 
     enabled: bool = True
-    model_path: Optional[str] = None  # HF folder; defaults to model.path
+    model_path: str | None = None  # HF folder; defaults to model.path
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     resources: ResourceConfig = field(default_factory=ResourceConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -54,9 +53,9 @@ class RoleConfig:
 
 @dataclass
 class ModelConfig:
-    path: Optional[str] = None  # HF model folder (config.json, safetensors, tokenizer)
-    preset: Optional[str] = None  # create this tiny preset under the run dir when path is unset
-    tokenizer_path: Optional[str] = None  # defaults to path
+    path: str | None = None  # HF model folder (config.json, safetensors, tokenizer)
+    preset: str | None = None  # create this tiny preset under the run dir when path is unset
+    tokenizer_path: str | None = None  # defaults to path
     # Warm start: a short plain SFT of the model on the task's Q/A pairs before RL (0 = none).
     warm_start_steps: int = 0
     warm_start_lr: float = 1e-3
@@ -86,12 +85,12 @@ class RolloutConfig:
 
 @dataclass
 class DataConfig:
-    task: Optional[str] = None  # "arithmetic": generate the example task's data under the run dir
-    train_file: Optional[str] = None  # jsonl or parquet
-    val_file: Optional[str] = None  # held-out prompts; or split off the train file by val_size
+    task: str | None = None  # "arithmetic": generate the example task's data under the run dir
+    train_file: str | None = None  # jsonl or parquet
+    val_file: str | None = None  # held-out prompts; or split off the train file by val_size
     val_size: int = 0
     prompt_key: str = "prompt"  # raw text prompt, or
-    messages_key: Optional[str] = None  # chat messages (the chat template is applied)
+    messages_key: str | None = None  # chat messages (the chat template is applied)
     answer_key: str = "answer"  # ground truth given to the reward
     prompts_per_step: int = 16
     seed: int = 0
@@ -105,8 +104,8 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    fn: Optional[str] = "exact_match"  # a name in algorithms.rewards or "module:function"
-    model_path: Optional[str] = None  # a reward-model group instead of a function
+    fn: str | None = "exact_match"  # a name in algorithms.rewards or "module:function"
+    model_path: str | None = None  # a reward-model group instead of a function
 
 
 @dataclass
@@ -124,7 +123,7 @@ class AlgorithmConfig:
     kl_horizon: int = 10000
     clip_low: float = 0.2
     clip_high: float = 0.2
-    clip_c: Optional[float] = None  # dual clip
+    clip_c: float | None = None  # dual clip
     value_clip: float = 0.2
     entropy_coef: float = 0.0
     loss_agg_mode: str = "token-mean"
@@ -148,8 +147,8 @@ class TrainerConfig:
     resume: str = "never"  # never | auto
     export_hf: bool = True
     timeout_s: float = 300.0  # every remote call
-    ray_address: Optional[str] = None
-    ray_num_cpus: Optional[int] = None
+    ray_address: str | None = None
+    ray_num_cpus: int | None = None
     dashboard: bool = False  # embedded Ray only: start the dashboard on 127.0.0.1:8265 (about 7 s more)
     global_batch_size: int = 0  # SFT / pretrain: sequences per optimizer step; 0 = micro * dp
     eval_iters: int = 2
@@ -158,7 +157,7 @@ class TrainerConfig:
     # SFT / pretrain: start from a checkpoint (a run dir, its checkpoints/ folder, a step-N folder or a role
     # folder); with --resume the run's own latest checkpoint wins. The two flags are Megatron's
     # --no-load-optim (fresh optimizer, scheduler and step) and --no-load-rng.
-    load: Optional[str] = None
+    load: str | None = None
     no_load_optim: bool = False
     no_load_rng: bool = False
 

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from test_rl_e2e import FAST
 
 

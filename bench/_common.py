@@ -204,10 +204,10 @@ def run_ours(config: str, overrides: list[str], out_dir: Path, budget_s: float |
              timeout_s: float = 1800.0, poll_s: float = 0.25) -> dict:
     """Run `rlhf train config overrides` with trainer.output_dir=out_dir and read its metrics.jsonl.
 
-    Every metrics row gets `arrival_s` (seconds since launch when the bench saw it). Training time starts at
-    the first step (arrival of step 1 minus its step_time_s). With `budget_s`, the run is stopped once that
-    much training time has passed; rows that arrived later are dropped. Validation inside the budget counts
-    against it. Returns rows, the setup time (launch to the first step) and the exit code.
+    Every metrics row gets `arrival_s` (seconds since launch when the bench saw it) and `train_s` (the sum of
+    step_time_s up to that step: the training clock, which leaves out start-up and validation). With
+    `budget_s`, the run is stopped (SIGINT, then harder) once the training clock reaches it, and rows past
+    the budget are dropped. Returns rows, the setup time (launch to the first step start) and the exit code.
     """
     import shutil
 
@@ -216,7 +216,8 @@ def run_ours(config: str, overrides: list[str], out_dir: Path, budget_s: float |
     out_dir.mkdir(parents=True)
     metrics = out_dir / "metrics.jsonl"
     cmd = [PY, "-m", "rlhf", "train", config, f"trainer.output_dir={out_dir}", *overrides]
-    log = (out_dir.parent / f"{out_dir.name}.log").open("w")
+    logp = out_dir.parent / f"{out_dir.name}.log"
+    log = logp.open("w")
     log.write(" ".join(cmd) + "\n")
     log.flush()
     t_launch = time.perf_counter()
@@ -224,6 +225,7 @@ def run_ours(config: str, overrides: list[str], out_dir: Path, budget_s: float |
     rows: list[dict] = []
     seen = 0
     t_first: float | None = None
+    train_s = 0.0
     stopped = False
     try:
         while True:
@@ -236,17 +238,19 @@ def run_ours(config: str, overrides: list[str], out_dir: Path, budget_s: float |
                         break  # partly written
                     row = json.loads(line)
                     row["arrival_s"] = now
+                    if row.get("step", 0) >= 1 and "step_time_s" in row:
+                        train_s += float(row["step_time_s"])
+                        if t_first is None:
+                            t_first = now - float(row["step_time_s"])
+                    row["train_s"] = train_s
                     rows.append(row)
                     seen += 1
-                    if t_first is None and row.get("step", 0) >= 1:
-                        t_first = now - float(row.get("step_time_s", 0.0))
             if done:
                 break
-            now = time.perf_counter() - t_launch
-            if budget_s is not None and t_first is not None and now - t_first >= budget_s:
+            if budget_s is not None and train_s >= budget_s:
                 stopped = True
                 break
-            if now > timeout_s:
+            if time.perf_counter() - t_launch > timeout_s:
                 stopped = True
                 print(f"run_ours: {out_dir.name} hit the {timeout_s:.0f} s timeout", flush=True)
                 break
@@ -255,16 +259,15 @@ def run_ours(config: str, overrides: list[str], out_dir: Path, budget_s: float |
         if proc.poll() is None:
             _stop(proc)
         log.close()
-    if budget_s is not None and t_first is not None:
-        rows = [r for r in rows if r["arrival_s"] - t_first <= budget_s + poll_s or r.get("step", 0) == 0]
-    for r in rows:
-        r["train_elapsed_s"] = r["arrival_s"] - t_first if t_first is not None else None
+    if budget_s is not None:
+        # keep the step that crossed the budget and its validation, as TRL stops at the step that crosses it
+        last = next((r["step"] for r in rows if r["train_s"] >= budget_s and r.get("step", 0) >= 1), None)
+        rows = [r for r in rows if last is None or r.get("step", 0) <= last]
     rc = proc.returncode
     if not stopped and rc != 0:
-        tail = (out_dir.parent / f"{out_dir.name}.log").read_text().splitlines()[-30:]
+        tail = logp.read_text().splitlines()[-30:]
         raise RuntimeError(f"rlhf train exited {rc}; log tail:\n" + "\n".join(tail))
-    return {"rows": rows, "setup_s": t_first, "returncode": rc, "stopped": stopped,
-            "log": str(out_dir.parent / f"{out_dir.name}.log")}
+    return {"rows": rows, "setup_s": t_first, "returncode": rc, "stopped": stopped, "log": str(logp)}
 
 
 def run_trl(spec: dict, timeout_s: float = 1800.0) -> dict:

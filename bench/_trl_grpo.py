@@ -2,10 +2,10 @@
 
 Run as `python bench/_trl_grpo.py SPEC.json` (a subprocess, so its threads and memory are its own). The spec
 holds the same knobs our GRPO run gets (model, prompts, reward, samples per prompt, prompts per step, max
-tokens, learning rate, clip range) plus a wall-clock budget or a step count. It writes `result.json` into
-`spec["out_dir"]`: the per-step wall times, the logged TRL metrics, and (when `eval_val` is set) the greedy
-held-out accuracy of the trained model, measured with `rlhf.driver.warmstart.greedy_accuracy` so both sides
-are scored by the same code.
+tokens, learning rate, clip range) plus a training-time budget (the sum of step times) or a step count. It
+writes `result.json` into `spec["out_dir"]`: the per-step times, the logged TRL metrics, the greedy held-out
+accuracy every `eval_every` steps (clock paused) and, when `eval_val` is set, after the last step; all
+measured with `rlhf.driver.warmstart.greedy_accuracy` on the saved weights.
 
 The TRL settings mirror configs/grpo_tiny.yaml: one policy update per generation batch (num_iterations=1,
 steps_per_generation=1, the whole batch in one micro-batch), token-mean loss ("dapo"), group-std reward
@@ -109,12 +109,29 @@ def run(spec: dict) -> dict:
 
     steps: list[dict] = []
 
+    from rlhf.driver.warmstart import greedy_accuracy
+
+    val = [(r["messages"], str(r["answer"])) for r in _records(spec["val_file"])] if spec.get("val_file") else []
+    eval_every = int(spec.get("eval_every") or 0)
+
+    def evaluate(tag: str) -> float:
+        """Greedy held-out accuracy of the current weights, by the same function our side's start uses."""
+        d = out / tag
+        model.save_pretrained(d, safe_serialization=True)
+        tok.save_pretrained(d)
+        acc = greedy_accuracy(d, val, max_new_tokens=int(spec["max_tokens"]))
+        model.train()
+        return acc
+
     class Clock(TrainerCallback):
-        """Per-step wall time; stops training once the budget (counted from the first step) is spent."""
+        """Per-step times. The training clock is the sum of step times (begin to end of each optimizer step,
+        generation included), so the periodic evaluations do not count; training stops at the first step
+        end where the clock reaches the budget."""
 
         def __init__(self) -> None:
             self.t0: float | None = None
             self.t_step = 0.0
+            self.train_s = 0.0
 
         def on_step_begin(self, args, state, control, **kw):
             self.t_step = time.perf_counter()
@@ -123,9 +140,14 @@ def run(spec: dict) -> dict:
 
         def on_step_end(self, args, state, control, **kw):
             now = time.perf_counter()
-            steps.append({"step": state.global_step, "step_time_s": now - self.t_step, "elapsed_s": now - self.t0})
-            if budget is not None and now - self.t0 >= float(budget):
+            self.train_s += now - self.t_step
+            row = {"step": state.global_step, "step_time_s": now - self.t_step, "train_s": self.train_s,
+                   "elapsed_s": now - self.t0}
+            steps.append(row)
+            if budget is not None and self.train_s >= float(budget):
                 control.should_training_stop = True
+            if val and eval_every and (state.global_step % eval_every == 0 or control.should_training_stop):
+                row["val_accuracy"] = evaluate("eval_model")
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and steps and steps[-1]["step"] == state.global_step:
@@ -137,15 +159,11 @@ def run(spec: dict) -> dict:
     trainer.train()
     train_wall_s = steps[-1]["elapsed_s"] if steps else 0.0
     result: dict = {"setup_s": setup_s, "steps": steps, "train_wall_s": train_wall_s,
+                    "train_s": steps[-1]["train_s"] if steps else 0.0,
                     "num_steps": len(steps), "torch_threads": torch.get_num_threads()}
     if spec.get("eval_val"):
-        from rlhf.driver.warmstart import greedy_accuracy
-
-        hf = out / "hf"
-        trainer.model.save_pretrained(hf, safe_serialization=True)
-        tok.save_pretrained(hf)
-        val = [(r["messages"], str(r["answer"])) for r in _records(spec["val_file"])]
-        result["val_accuracy"] = greedy_accuracy(hf, val, max_new_tokens=int(spec["max_tokens"]))
+        result["val_accuracy"] = steps[-1]["val_accuracy"] if steps and "val_accuracy" in steps[-1] \
+            else evaluate("hf")
     (out / "result.json").write_text(json.dumps(result, indent=1))
     return result
 

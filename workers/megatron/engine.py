@@ -96,7 +96,6 @@ class MegatronEngine:
         optim: OptimSettings | dict[str, Any] | None = None,
         load_weights: bool = True,
         recompute: bool = False,
-        fast_forward: bool = True,
     ) -> None:
         from megatron.core import parallel_state as ps
         from transformers import AutoConfig
@@ -109,7 +108,6 @@ class MegatronEngine:
         self.dtype = as_dtype(dtype)
         self.value_head = value_head
         self.trainable = trainable
-        self.fast_forward = fast_forward
         self.device = torch.device("cpu") if cuda_absent() else torch.device("cuda", torch.cuda.current_device())
         overrides: dict[str, Any] = {}
         if recompute:
@@ -216,14 +214,9 @@ class MegatronEngine:
         if not micro_batches:
             return []
 
-        fast = self.fast_forward and cuda_absent()
-
         def step(data_iter: Iterator[Micro], model: torch.nn.Module):
             mb = next(data_iter)
-            # The model's own forward needs none of CpuDeviceMode's rewrites (torch.cuda.current_device
-            # is patched process-wide); skipping the per-op Python hook saves about a fifth of the time.
-            with torch._C.DisableTorchFunction() if fast else contextlib.nullcontext():
-                out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask)
+            out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask)
             return out, lambda output: loss_fn(mb, output)
 
         for chunk in self.chunks:

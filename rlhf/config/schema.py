@@ -35,6 +35,9 @@ class ResourceConfig:
     num_cpus_per_worker: float = 0.5
     num_gpus_per_worker: float = 0.0
     colocate_with: str | None = None  # name of a role whose placement group this role shares
+    # CPU: torch intra-op threads per rank (None: Ray's default, one per whole CPU reserved). Phases of an RL
+    # step run one after another, so a colocated role may use more threads than the CPUs it reserves.
+    num_threads: int | None = None
 
 
 @dataclass
@@ -77,6 +80,8 @@ class RolloutConfig:
     kv_cache_gb: float = 1.0
     max_num_seqs: int = 256
     num_cpus: float = 1.0
+    num_threads: int = 1  # CPU: the engine's torch threads (1 is vLLM's serving default)
+    max_num_batched_tokens: int | None = None  # vLLM's per-step token budget (None: vLLM's default)
     sync_bucket_mb: float = 64.0
     verify_first_sync: bool = True
     verify_every_sync: bool = False

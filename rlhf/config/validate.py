@@ -75,6 +75,8 @@ def _check_role(name: str, role: RoleConfig, shape: ModelShape | None) -> None:
     _choice(o.lr_decay_style, f"{name}.optim.lr_decay_style", ("constant", "cosine", "linear"))
     _require(role.resources.num_cpus_per_worker >= 0, f"{name}.resources.num_cpus_per_worker", "a value >= 0",
              role.resources.num_cpus_per_worker)
+    threads = role.resources.num_threads
+    _require(threads is None or threads >= 1, f"{name}.resources.num_threads", "an integer >= 1 or null", threads)
     if shape is None:
         return
     src = shape.source
@@ -155,6 +157,9 @@ def validate_config(cfg: RunConfig) -> None:
     _require(0 < r.top_p <= 1, "rollout.top_p", "a value in (0, 1]", r.top_p)
     _require(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", "-1 (off) or an integer >= 1", r.top_k)
     _require(r.kv_cache_gb > 0, "rollout.kv_cache_gb", "a size in GiB > 0", r.kv_cache_gb)
+    _require(r.num_threads >= 1, "rollout.num_threads", "an integer >= 1", r.num_threads)
+    _require(r.max_num_batched_tokens is None or r.max_num_batched_tokens >= 1, "rollout.max_num_batched_tokens",
+             "null or an integer >= 1", r.max_num_batched_tokens)
     _require(r.sync_bucket_mb > 0, "rollout.sync_bucket_mb", "a size in MB > 0", r.sync_bucket_mb)
     _require(d.prompts_per_step >= 1, "data.prompts_per_step", "an integer >= 1", d.prompts_per_step)
     _require(0 <= a.clip_low < 1, "algorithm.clip_low", "a value in [0, 1)", a.clip_low)

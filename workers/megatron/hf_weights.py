@@ -9,19 +9,32 @@
   ranks of a TP group and on all DP replicas. Consumers usually keep the output of the ranks where
   `is_hf_weight_source()` holds (tp rank 0, dp rank 0: one per PP stage); together these cover every
   HF tensor exactly once. Vocab padding is removed; a tied output layer is not yielded.
+- `write_hf_shards(model, hf_config, target)`: the same result without any collective: this rank copies
+  its own TP shard of every parameter into its rows / columns of the full HF tensors `target(name)`
+  returns (e.g. views of a shared-memory file). When every rank of one DP replica does it, the targets
+  hold the full model.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from workers.megatron.hf_map import Dims, bind, check_hf_tensors, to_hf, to_mcore_shard, tp_concat_dim
+from workers.megatron.hf_map import (
+    REPLICATED,
+    Dims,
+    bind,
+    check_hf_tensors,
+    shard_into_hf,
+    to_hf,
+    to_mcore_shard,
+    tp_concat_dim,
+)
 
 
 class HFTensorSource:
@@ -158,6 +171,22 @@ def iter_hf_weights(
             shards = [local]
         for name, tensor in zip(b.hf_names, to_hf(b.kind, shards, d)):
             yield name, tensor if dtype is None else tensor.to(dtype)
+
+
+def write_hf_shards(model: torch.nn.Module, hf_config: Any, target: Callable[[str], torch.Tensor]) -> dict[str, int]:
+    """Copy this rank's TP shard of every parameter into its part of the full HF tensors `target(name)`
+    (not collective; see the module docstring). Replicated tensors are written by TP rank 0 only; a tied
+    output layer is skipped. Returns {"tensors": parameters written, "bytes": bytes written}."""
+    d = Dims.from_hf(hf_config)
+    tp_rank, tp, _ = _tp()
+    n = nbytes = 0
+    for b in bind(model, hf_config):
+        if b.alias or (b.kind == REPLICATED and tp_rank != 0):
+            continue
+        out = [target(name) for name in b.hf_names]
+        nbytes += shard_into_hf(b.kind, b.param.detach(), out, d, tp_rank, tp) * out[0].element_size()
+        n += 1
+    return {"tensors": n, "bytes": nbytes}
 
 
 def is_hf_weight_source() -> bool:

@@ -44,6 +44,89 @@ def test_transport_is_chosen_in_one_place():
     assert choose_transport(on_gpu=True, colocated=False) == "nccl"
     with pytest.raises(ValueError, match="needs CUDA"):
         choose_transport(on_gpu=False, colocated=False, override="nccl")
+    assert choose_transport(on_gpu=False, colocated=False, same_host=True) == "shm"
+    assert choose_transport(on_gpu=False, colocated=False, override="gloo", same_host=True) == "gloo"
+    assert choose_transport(on_gpu=True, colocated=True, same_host=True) == "cuda_ipc"
+    with pytest.raises(ValueError, match="one host"):
+        choose_transport(on_gpu=False, colocated=False, override="shm", same_host=False)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_each_tp_shard_written_in_place_rebuilds_the_hf_tensors(tp):
+    """shard_into_hf is the inverse of to_mcore_shard: every rank writing its shard = the gathered to_hf."""
+    from workers.megatron.hf_map import (
+        COLUMN,
+        FC1,
+        QKV,
+        REPLICATED,
+        ROW,
+        VOCAB,
+        Dims,
+        shard_into_hf,
+        to_hf,
+        to_mcore_shard,
+    )
+
+    d = Dims(hidden=8, heads=8, groups=4, head_dim=4, ffn=12, vocab=10, layers=1, tied=False, qkv_bias=True)
+    g = torch.Generator().manual_seed(0)
+    q, kv = d.heads * d.head_dim, d.groups * d.head_dim
+    cases = {
+        REPLICATED: [(8,)], COLUMN: [(12, 8)], ROW: [(8, 12)], VOCAB: [(10, 8)],
+        QKV: [(q, 8), (kv, 8), (kv, 8)], FC1: [(12, 8), (12, 8)],
+    }
+    padded = 16  # vocab rounded up to a multiple of tp (x a Megatron divisor)
+    for kind, shapes in cases.items():
+        full = [torch.randn(*s, generator=g) for s in shapes]
+        shards = [to_mcore_shard(kind, full, d, r, tp, padded) for r in range(tp)]
+        out = [torch.full(s, float("nan"), dtype=torch.bfloat16) for s in shapes]
+        written = 0
+        for r in range(tp if kind != REPLICATED else 1):
+            written += shard_into_hf(kind, shards[r], out, d, r, tp)
+        assert written == sum(t.numel() for t in full), kind
+        for got, want in zip(out, full):
+            assert torch.equal(got, want.to(torch.bfloat16)), kind
+        if kind != VOCAB:  # the gather path gives the same tensors
+            for got, want in zip(to_hf(kind, shards, d), full):
+                assert torch.equal(got, want), kind
+    # QKV bias (1-D) too
+    full = [torch.randn(n, generator=g) for n in (q, kv, kv)]
+    out = [torch.empty_like(t) for t in full]
+    for r in range(tp):
+        shard_into_hf(QKV, to_mcore_shard(QKV, full, d, r, tp, padded), out, d, r, tp)
+    assert all(torch.equal(a, b) for a, b in zip(out, full))
+
+
+def test_shm_layout_views_and_stale_files(tmp_path):
+    import os
+    import pickle
+
+    from workers.rollout import shm
+
+    shapes = {"a.weight": (3, 5), "b.bias": (7,), "c.weight": (2, 2)}
+    layout = shm.ShmLayout.from_shapes(shapes, "bfloat16")
+    assert layout.offsets == [0, 256, 512] and layout.nbytes == 768
+    path = str(tmp_path / "w.bin")
+    m = shm.open_mapping(path, layout.nbytes, create=True)
+    assert shm.open_mapping(path, layout.nbytes, create=True) is m  # cached: pages stay warm
+    layout.view(m, "b.bias").copy_(torch.arange(7.0))
+    other = shm.ShmLayout.from_shapes(shapes, "bfloat16")
+    fresh = torch.from_file(path, shared=True, size=layout.nbytes, dtype=torch.uint8)  # another mapping
+    got = dict(pickle.loads(pickle.dumps(other)).items(fresh))
+    assert list(got) == list(shapes) and got["a.weight"].shape == (3, 5)
+    assert torch.equal(got["b.bias"], torch.arange(7.0, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="needs"):
+        shm._MAPS.pop(path)
+        shm.open_mapping(path, 4096, create=False)
+    shm.remove_file(path)
+    assert not os.path.exists(path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        shm.open_mapping(path, 16, create=False)
+    dead = tmp_path / f"{shm.PREFIX}999999999-x.bin"  # no such pid
+    mine = tmp_path / f"{shm.PREFIX}{os.getpid()}-y.bin"
+    dead.write_bytes(b"x")
+    mine.write_bytes(b"x")
+    assert shm.remove_stale_files(str(tmp_path)) == [str(dead)]
+    assert mine.exists()
 
 
 def _fake_weights(layers: int = 3) -> list[tuple[str, torch.Tensor]]:

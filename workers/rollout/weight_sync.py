@@ -1,6 +1,11 @@
 """Weight sync: the Megatron policy's TP/PP shards -> full HF-named tensors -> buckets -> the engines.
 
-What calls what (one sync):
+This module is the bucketed path (transports "gloo", "nccl", "cuda_ipc"). The "shm" transport (the CPU
+default when the policy and the engines share a host) skips the gather and the buckets: each policy rank
+writes its own shards into a shared file holding the whole model, see shm.py. Both end in the same single
+`reload_weights` call per engine.
+
+What calls what (one bucketed sync):
 1. Driver: `WeightSyncer.sync()` builds a `SyncSession` (transport from `choose_transport`, the control
    endpoint hosted by rollout engine 0, the source rank of each pipeline stage), then launches
    `policy_group.send_weights_to_rollout(session)` (all policy ranks, async) and
@@ -170,7 +175,11 @@ def _wait_acks(ch: Any, session: SyncSession, stage: int, index: int) -> None:
 def receive_into(worker: Any, session: SyncSession) -> dict[str, Any]:
     """Rollout side: load the streamed weights into `worker`'s engine in place (see module docstring)."""
     t0 = time.perf_counter()
-    stats = worker.llm.collective_rpc(_receive_on_vllm_worker, args=(session, worker.rank, worker.cfg.tp))[0]
+    if session.transport == "shm":
+        from workers.rollout.shm import receive_on_vllm_worker as fn
+    else:
+        fn = _receive_on_vllm_worker
+    stats = worker.llm.collective_rpc(fn, args=(session, worker.rank, worker.cfg.tp))[0]
     worker.llm.reset_prefix_cache()
     stats["time_s"] = time.perf_counter() - t0
     return stats

@@ -30,8 +30,14 @@ def loss_config(cfg: RunConfig) -> dict[str, Any]:
     return {
         "clip_low": a.clip_low, "clip_high": a.clip_high, "clip_c": a.clip_c, "agg_mode": a.loss_agg_mode,
         "entropy_coef": a.entropy_coef, "kl_coef": 0.0 if a.kl_in_reward else a.kl_coef, "kl_kind": a.kl_kind,
-        "ppo_epochs": a.ppo_epochs, "mini_batches": a.mini_batches,
+        "ppo_epochs": a.ppo_epochs, "mini_batches": a.mini_batches, "temperature": sampling_temperature(cfg),
     }
+
+
+def sampling_temperature(cfg: RunConfig) -> float:
+    """The temperature the policy's log-probs are taken at: the rollout's (1 for greedy rollouts), so the
+    importance ratios compare the distribution the responses were sampled from."""
+    return cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
 
 
 def value_loss_config(cfg: RunConfig) -> dict[str, Any]:
@@ -62,14 +68,14 @@ def _optimizer_steps(cfg: RunConfig) -> int:
 
 
 class PolicyHandle:
-    """The policy (or reference) worker group."""
+    """The policy (or reference) worker group; log-probs are taken at the rollout's `temperature`."""
 
-    def __init__(self, group: Any) -> None:
-        self.group = group
+    def __init__(self, group: Any, temperature: float = 1.0) -> None:
+        self.group, self.temperature = group, temperature
 
     def logprobs(self, batch: Batch, key: str = "old_logprobs", entropy: bool = False) -> Batch:
         out = self.group.compute_logprobs(batch.select(["input_ids", "attention_mask", "responses", "response_mask"]),
-                                          with_entropy=entropy, key=key)
+                                          with_entropy=entropy, key=key, temperature=self.temperature)
         batch[key] = out[key]
         if entropy:
             batch["entropy"] = out["entropy"]
@@ -157,19 +163,23 @@ class Roles:
 
         run_dir = Path(run_dir)
         reward = RewardHandle(cfg.reward.fn)  # resolve before any worker starts
-        policy = PolicyHandle(_group("policy", cfg.policy, cfg, run_dir, PolicyWorker))
+        temp = sampling_temperature(cfg)
+        policy = PolicyHandle(_group("policy", cfg.policy, cfg, run_dir, PolicyWorker), temp)
         handles: dict[str, Any] = {"policy": policy}
         try:
             if cfg.algorithm.kl_coef > 0 and cfg.reference.enabled:
-                handles["reference"] = PolicyHandle(_group("reference", cfg.reference, cfg, run_dir, ReferenceWorker))
+                handles["reference"] = PolicyHandle(_group("reference", cfg.reference, cfg, run_dir, ReferenceWorker),
+                                                    temp)
             if cfg.critic.enabled:
                 handles["critic"] = CriticHandle(_group("critic", cfg.critic, cfg, run_dir, CriticWorker))
             if cfg.reward.model_path:
                 rm_cfg = cfg.reward_model
                 rm_cfg.model_path = cfg.reward.model_path
                 reward = RewardHandle(None, _group("reward_model", rm_cfg, cfg, run_dir, RewardModelWorker))
+            # Sampled-token logprobs after temperature (the sampling distribution) when it is not 1.
+            mode = "raw_logprobs" if temp == 1.0 else "processed_logprobs"
             engine = EngineConfig.from_config(cfg.rollout, model_path=cfg.model.path,
-                                              tokenizer_path=cfg.model.tokenizer_path)
+                                              tokenizer_path=cfg.model.tokenizer_path, logprobs_mode=mode)
             group = RolloutGroup(engine, timeout_s=cfg.trainer.timeout_s)
             handles["rollout"] = RolloutHandle(group, SamplingConfig.from_config(cfg.rollout),
                                                SyncConfig.from_config(cfg.rollout, timeout_s=cfg.trainer.timeout_s))

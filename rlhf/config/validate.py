@@ -174,6 +174,12 @@ def validate_config(cfg: RunConfig) -> None:
     _choice(a.kl_ctrl, "algorithm.kl_ctrl", ("fixed", "adaptive"))
     _choice(a.loss_agg_mode, "algorithm.loss_agg_mode", AGG_MODES)
     _choice(a.old_logprobs, "algorithm.old_logprobs", ("recompute", "rollout"))
+    if a.old_logprobs == "rollout" and (r.top_p < 1 or r.top_k != -1):
+        raise ConfigError(
+            f"algorithm.old_logprobs=rollout with rollout.top_p={r.top_p} / rollout.top_k={r.top_k}: the engine's "
+            "logprobs then include the top-p/top-k truncation, which the policy cannot recompute, so the ratios "
+            "would be biased; use algorithm.old_logprobs=recompute or rollout.top_p=1.0 and rollout.top_k=-1"
+        )
     _check_adv_estimator(a.adv_estimator)
     if a.name == "ppo" and not cfg.critic.enabled:
         raise ConfigError("critic.enabled: PPO needs a critic; set critic.enabled=true (or use algorithm.name=grpo)")

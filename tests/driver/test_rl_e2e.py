@@ -28,12 +28,17 @@ def metrics(run: Path) -> list[dict]:
 
 def test_grpo_two_steps(tmp_path):
     run = tmp_path / "grpo"
+    # Sampling at temperature 0.7 with the engine's logprobs as the behaviour policy (old_logprobs: rollout):
+    # the policy's logprobs of logits / 0.7 must equal vLLM's processed logprobs, so the first (on-policy)
+    # update sees importance ratios of 1.
     r = rlhf("train", "configs/grpo_tiny.yaml", *FAST, "trainer.total_steps=2", "trainer.save_every=2",
-             f"trainer.output_dir={run}")
+             "rollout.temperature=0.7", "algorithm.old_logprobs=rollout", f"trainer.output_dir={run}")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     rows = metrics(run)
     steps = [row for row in rows if row["step"] > 0]
     assert [row["step"] for row in steps] == [1, 2]
+    for step in steps:
+        assert abs(step["ratio_max"] - 1) < 1e-3 and abs(step["ratio_min"] - 1) < 1e-3, step
     for key in ("reward_mean", "kl", "response_length_mean", "step_time_s", "time/generate", "time/train",
                 "time/sync", "policy_loss", "grad_norm"):
         assert key in steps[0], key

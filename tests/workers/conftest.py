@@ -24,8 +24,9 @@ def make_rl_batch(n: int = 8, vocab: int = 500, p_max: int = 6, r_max: int = 5, 
     return batch
 
 
-def hf_logprobs(model_path: str, batch: Batch) -> torch.Tensor:
-    """Response log-probs from a plain transformers fp32 forward (position ids from the mask)."""
+def hf_logprobs(model_path: str, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+    """Response log-probs from a plain transformers fp32 forward (position ids from the mask), of the
+    logits divided by `temperature`."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
@@ -33,7 +34,7 @@ def hf_logprobs(model_path: str, batch: Batch) -> torch.Tensor:
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp_min(0)).logits
     r = batch["responses"].shape[1]
-    lp = torch.log_softmax(logits[:, -r - 1:-1].float(), -1).gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+    lp = torch.log_softmax(logits[:, -r - 1:-1].float() / temperature, -1).gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
     return lp * batch["response_mask"]
 
 

@@ -57,6 +57,15 @@ def test_logprobs_match_across_layouts(env):
         assert (out["entropy"] - base["entropy"]).abs().max() <= 1e-5, name
 
 
+def test_logprobs_at_the_sampling_temperature(env):
+    batch = make_rl_batch(n=6, seed=3)
+    ref = hf_logprobs(env["path"], batch, temperature=0.7)
+    assert (ref - hf_logprobs(env["path"], batch)).abs().max() > 1e-2  # the temperature changes them
+    for name in ("tp1", "tp2"):
+        out = env["groups"][name].compute_logprobs(batch, temperature=0.7)
+        assert (out["logprobs"] - ref).abs().max() < 1e-4, name
+
+
 def test_async_call(env):
     batch = make_rl_batch(n=4, seed=2)
     futures = [env["groups"][n].compute_logprobs.remote(batch) for n in ("tp1", "tp2")]

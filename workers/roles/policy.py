@@ -38,6 +38,7 @@ class PPOLossConfig:
     ppo_epochs: int = 1
     mini_batches: int = 1  # optimizer steps per epoch
     micro_batch_size: int | None = None  # None: the worker's micro_batch_size
+    temperature: float = 1.0  # the rollout's sampling temperature: logprobs of logits / temperature
 
     @classmethod
     def from_any(cls, value: Any) -> PPOLossConfig:
@@ -60,7 +61,8 @@ def _from_any(cls: type, value: Any) -> Any:
 class LogprobMixin:
     """`compute_logprobs` for the policy and the reference."""
 
-    def _logprob_pass(self, batch: Batch, with_entropy: bool, key: str, micro_batch_size: int | None) -> Batch:
+    def _logprob_pass(self, batch: Batch, with_entropy: bool, key: str, micro_batch_size: int | None,
+                      temperature: float = 1.0) -> Batch:
         eng = self.engine
         r = batch["responses"].shape[1]
         micros = response_micros(batch, micro_batch_size or self.micro_batch_size, ["responses"], eng.device,
@@ -69,7 +71,7 @@ class LogprobMixin:
         def loss_fn(mb: Micro, logits: torch.Tensor):
             sl, _ = response_slice(mb, logits)
             labels = mb.fields["responses"][:, : sl.shape[1]]
-            logp, ent = vocab_parallel_logprobs(sl, labels, eng.vocab_size, with_entropy)
+            logp, ent = vocab_parallel_logprobs(scale_logits(sl, temperature), labels, eng.vocab_size, with_entropy)
             data = {key: pad_right(logp.float().cpu(), r)}
             if with_entropy:
                 data["entropy"] = pad_right(ent.float().cpu(), r)
@@ -97,10 +99,10 @@ class PolicyWorker(RolloutSyncMixin, LogprobMixin, MegatronWorker):
 
     @register(DP_COMPUTE)
     def compute_logprobs(self, batch: Batch, with_entropy: bool = False, key: str = "logprobs",
-                         micro_batch_size: int | None = None) -> Batch:
-        """Per-token log-probs [B, R] of the responses under `key` (and `entropy` [B, R] when asked);
-        0 at padding positions."""
-        return self._logprob_pass(batch, with_entropy, key, micro_batch_size)
+                         micro_batch_size: int | None = None, temperature: float = 1.0) -> Batch:
+        """Per-token log-probs [B, R] of the responses under `key` (and `entropy` [B, R] when asked) of
+        the logits divided by `temperature` (the sampling distribution); 0 at padding positions."""
+        return self._logprob_pass(batch, with_entropy, key, micro_batch_size, temperature)
 
     @register(DP_COMPUTE, pad=False, split=split_by_minibatch())
     def train_step(self, batch: Batch, loss_config: dict[str, Any] | PPOLossConfig | None = None) -> dict[str, float]:
@@ -126,7 +128,8 @@ class PolicyWorker(RolloutSyncMixin, LogprobMixin, MegatronWorker):
                     sl, r_eff = response_slice(mb, logits)
                     f = {k: v[:, :r_eff] for k, v in mb.fields.items() if not k.startswith("_")}
                     mask = f["response_mask"].to(torch.float32)
-                    logp, ent = vocab_parallel_logprobs(sl, f["responses"], eng.vocab_size, need_entropy)
+                    logp, ent = vocab_parallel_logprobs(scale_logits(sl, cfg.temperature), f["responses"],
+                                                        eng.vocab_size, need_entropy)
                     pg, m = policy_loss(logp, f["old_logprobs"].float(), f["advantages"].float(), mask,
                                         cfg.clip_low, cfg.clip_high, cfg.clip_c, cfg.agg_mode, normalizer=norm)
                     loss = pg
@@ -212,6 +215,13 @@ class PolicyWorker(RolloutSyncMixin, LogprobMixin, MegatronWorker):
         from workers.roles.hf_export import export_hf_folder
 
         return str(export_hf_folder(self.engine, out_dir, tokenizer_path or self.engine.model_path))
+
+
+def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Logits of the sampling distribution at `temperature` (the rollout's): logits / temperature."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for log-probabilities, got {temperature}")
+    return logits if temperature == 1.0 else logits / temperature
 
 
 def _mean_steps(per_step: list[dict[str, float]]) -> dict[str, float]:

@@ -17,6 +17,7 @@ class ReferenceWorker(LogprobMixin, MegatronWorker):
 
     @register(DP_COMPUTE)
     def compute_logprobs(self, batch: Batch, with_entropy: bool = False, key: str = "ref_logprobs",
-                         micro_batch_size: int | None = None) -> Batch:
-        """Per-token log-probs [B, R] of the responses under `key` (default `ref_logprobs`)."""
-        return self._logprob_pass(batch, with_entropy, key, micro_batch_size)
+                         micro_batch_size: int | None = None, temperature: float = 1.0) -> Batch:
+        """Per-token log-probs [B, R] of the responses under `key` (default `ref_logprobs`), of the logits
+        divided by `temperature`."""
+        return self._logprob_pass(batch, with_entropy, key, micro_batch_size, temperature)

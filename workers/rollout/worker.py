@@ -43,6 +43,7 @@ class RolloutWorker:
             # thread-bound worker processes); in-process that would silently break the host's callers.
             torch.set_num_threads = set_threads
         self.startup_s = time.perf_counter() - t0
+        _quiet_vllm_after_start()
         self.tokenizer = self.llm.get_tokenizer()
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
@@ -211,3 +212,16 @@ def _sampling(sampling: SamplingConfig | dict | None) -> SamplingConfig:
     if isinstance(sampling, dict):
         return SamplingConfig(**sampling).validate()
     return sampling.validate()
+
+
+def _quiet_vllm_after_start() -> None:
+    """After start-up, keep vLLM's per-call INFO lines (every weight reload and prefix-cache reset) off the
+    driver's console. The layerwise reloader warns "Failed to load weights" for every module without
+    weights of its own (rotary embedding, a tied LM head): expected with our reloads (engine_ops), so only
+    its errors pass."""
+    import logging
+
+    if logging.getLogger("vllm").getEffectiveLevel() < logging.WARNING:
+        logging.getLogger("vllm").setLevel(logging.WARNING)
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+

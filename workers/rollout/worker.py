@@ -30,6 +30,10 @@ class RolloutWorker:
         self.cfg = cfg.validate()
         self.rank = rank
         self.work_dir = prepare_env(cfg)
+        if not cuda_available():
+            from workers.group.worker import set_niceness
+
+            set_niceness(0)  # Ray starts actors at nice 15: the engine would lose the CPU to any other process
         if cfg.num_threads and not cuda_available():
             torch.set_num_threads(cfg.num_threads)
         from vllm import LLM

@@ -75,19 +75,22 @@ def _max_diff(policy, out) -> float:
     return float(((pol["logprobs"] - out["rollout_logprobs"]) * out["response_mask"]).abs().max())
 
 
-@pytest.mark.parametrize("transport", ["gloo", "shm"])
+@pytest.mark.parametrize("transport", ["gloo", "shm", "shm+reload"])  # shm+reload: shm without load_direct
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_sync_after_a_train_step_matches_the_policy(env, layout, transport):
     rollout, policy = env["rollout"], env["policy"](layout)
-    cfg = SyncConfig(bucket_mb=0.5, timeout_s=60, transport=transport)  # tiny model (1.4 MB): several buckets
+    name, direct = transport.split("+")[0], not transport.endswith("+reload")
+    # tiny model (1.4 MB): several buckets
+    cfg = SyncConfig(bucket_mb=0.5, timeout_s=60, transport=name, direct_load=direct)
     stats = rollout.sync_weights(policy, cfg)  # first sync with this policy: verified by default
     assert stats["sync/verify_max_abs_diff"] <= 1e-3
     syncer = rollout._syncers[id(policy)]
-    assert syncer.transport == transport
-    if transport == "gloo":
+    assert syncer.transport == name
+    if name == "gloo":
         assert stats["sync/buckets"] > 1 and stats["sync/max_bucket_mb"] <= 0.5
     else:  # the whole model in one shared file, every tensor written exactly once across the ranks
         assert os.path.getsize(syncer.shm_path) >= stats["sync/bytes"] > 1 << 20
+        assert stats["sync/direct_load"] == float(direct)  # tiny-qwen2 (tied, qkv bias): load_direct knows it
 
     out = rollout.generate(PROMPTS, SAMPLING)
     assert _max_diff(policy, out) <= 1e-3
@@ -128,3 +131,28 @@ def test_shm_file_is_removed_with_its_syncer(env):
     assert os.path.exists(path)
     rollout.sync_weights(policy, SyncConfig(transport="shm", timeout_s=60), verify=True)  # a new syncer
     assert not os.path.exists(path) and os.path.exists(rollout._syncers[id(policy)].shm_path)
+
+
+def test_shm_direct_load_of_an_untied_model_without_bias(env, tiny_model_factory, tmp_path):
+    """tiny-llama (untied LM head, no qkv bias) through the shm transport's module-by-module load."""
+    path = tiny_model_factory("tiny-llama")
+    rollout = RolloutGroup(EngineConfig(path, kv_cache_gb=0.05, max_num_seqs=32, num_cpus=0,
+                                        work_dir=str(tmp_path / "rollout")))
+    policy = None
+    try:
+        policy = WorkerGroup("policy", POLICY_CLS, tp=2, name="sync-policy-llama", num_cpus_per_worker=0.5,
+                             timeout_s=120, log_dir=tmp_path / "logs",
+                             init_kwargs={"model_path": path, "micro_batch_size": 8, "optim": {"lr": 1e-2}})
+        cfg = SyncConfig(timeout_s=60, transport="shm")
+        stats = rollout.sync_weights(policy, cfg)
+        assert stats["sync/verify_max_abs_diff"] <= 1e-3 and stats["sync/direct_load"] == 1.0
+        out = rollout.generate(PROMPTS, SAMPLING)
+        policy.train_step(_train_batch(out))
+        assert _max_diff(policy, rollout.generate(PROMPTS, SAMPLING)) > 1e-2
+        stats = rollout.sync_weights(policy, cfg, verify=True)
+        assert stats["sync/verify_max_abs_diff"] <= 1e-3 and stats["sync/direct_load"] == 1.0
+        assert _max_diff(policy, rollout.generate(PROMPTS, SAMPLING)) <= 1e-3
+    finally:
+        if policy is not None:
+            policy.shutdown()
+        rollout.shutdown()

@@ -30,6 +30,9 @@ class SyncConfig:
 
     bucket_mb: float = 64.0  # bucketed transports (gloo, nccl, cuda_ipc); shm moves the whole model at once
     transport: str | None = None
+    # shm: let each engine install a model it recognises module by module (repacking straight from the
+    # shared file) instead of vLLM's reload_weights; False: always reload_weights
+    direct_load: bool = True
     colocated: bool = False
     timeout_s: float = 120.0
     verify_first: bool = True
@@ -92,7 +95,8 @@ class WeightSyncer:
                       channel=self.channel, bucket_bytes=int(self.cfg.bucket_mb * (1 << 20)),
                       dtype=self.rollout.dtype, timeout_s=self.cfg.timeout_s)
         if self.transport == "shm":
-            fields.update(writer_ranks=list(self.writer_ranks), shm_path=self.shm_path)
+            fields.update(writer_ranks=list(self.writer_ranks), shm_path=self.shm_path,
+                          direct_load=self.cfg.direct_load)
         fields.update(overrides)
         return SyncSession(**fields)
 
@@ -132,6 +136,7 @@ class WeightSyncer:
             "sync/gather_s": max((s.get("gather_s", 0.0) for s in src), default=0.0),
             "sync/send_s": max((s.get("send_s", 0.0) for s in src), default=0.0),
             "sync/engine_wait_s": max(r.get("recv_s", 0.0) for r in recv),
+            "sync/direct_load": float(all(r.get("load") == "direct" for r in recv)),  # shm: load_direct used
         }
         if verify is None:
             verify = (self.cfg.verify_first and self.num_syncs == 1) or self.cfg.verify_every

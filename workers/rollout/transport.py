@@ -75,6 +75,7 @@ class SyncSession:
     stall_bucket: int = 1
     writer_ranks: list[int] = field(default_factory=list)  # shm: the policy ranks that write (DP replica 0)
     shm_path: str = ""  # shm: the shared file, reused by every sync of one syncer
+    direct_load: bool = True  # shm: engines install recognised models module by module (engine_ops.load_direct)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

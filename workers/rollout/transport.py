@@ -7,7 +7,8 @@ Data, by `choose_transport`:
 - "shm" (CPU, every policy rank and engine on one host; the CPU default there): the policy ranks write
   their own TP shards straight into a shared file under /dev/shm that holds the whole model in the
   engine's dtype, and the engines load views of it (see shm.py). No TP gather, no copy in transit; the
-  file costs the model's bytes of memory for the life of the syncer.
+  file costs the model's bytes of memory for the life of the syncer. Only tested on CPU (on GPU it may
+  be named explicitly, but CUDA IPC / NCCL are the defaults there).
 - "gloo" (CPU, bounded memory or several hosts): one stateless `ProcessGroupGloo` per pipeline stage over
   {stage source rank, receivers}; the source broadcasts each bucket (measured here: 64 MB in ~0.02 s; the
   Ray object store took ~0.045 s just to `ray.put` the same bytes).

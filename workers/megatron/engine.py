@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from workers.megatron import rope_positions
 from workers.megatron.cpu_compat import cuda_absent
 from workers.megatron.hf_weights import HFTensorSource
 
@@ -82,6 +83,7 @@ class Micro:
     attention_mask: torch.Tensor  # [b, 1, s, s] bool, True = masked
     fields: dict[str, torch.Tensor]  # per-sample tensors the loss needs (any width)
     offset: int = 0  # columns trimmed from the left of the original block
+    explicit_positions: bool = False  # RoPE at `position_ids` (rows that are not one contiguous sequence)
 
 
 class MegatronEngine:
@@ -121,6 +123,7 @@ class MegatronEngine:
             self._load_hf(model, model_path)
         self.module = model
         self.config = model.config
+        self.supports_explicit_positions = rope_positions.install(model)
         self.optim = OptimSettings.from_any(optim)
         self.optimizer = None
         self.scheduler = None
@@ -216,7 +219,11 @@ class MegatronEngine:
 
         def step(data_iter: Iterator[Micro], model: torch.nn.Module):
             mb = next(data_iter)
-            out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask)
+            if mb.explicit_positions and not self.supports_explicit_positions:
+                raise RuntimeError("this model's RoPE cannot take explicit positions (fused RoPE); "
+                                   "use pack_sequences=True instead of 'prefix'")
+            with rope_positions.explicit_positions(mb.position_ids if mb.explicit_positions else None):
+                out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask)
             return out, lambda output: loss_fn(mb, output)
 
         for chunk in self.chunks:

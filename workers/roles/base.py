@@ -3,8 +3,9 @@
 
 init_kwargs (from `WorkerGroup(init_kwargs=...)`): `model_path` (HF folder), `dtype` ("float32" |
 "bfloat16"), `micro_batch_size`, `optim` (dict of `OptimSettings` fields), `recompute`, `load_weights`,
-`offload` (frozen roles on GPU), `pack_sequences` (RL batches: pack the sequences into rows with
-block-diagonal attention instead of computing the padding; default True; see workers/roles/micro.py).
+`offload` (frozen roles on GPU), `pack_sequences` (RL batches. "prefix", the default: the samples of one
+prompt share one copy of it in a row; True: pack whole sequences into rows with block-diagonal attention;
+False: padded rows. See workers/roles/micro.py).
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ class MegatronWorker(Worker):
         kw = self.init_kwargs
         self.micro_batch_size = int(kw.get("micro_batch_size", 8))
         self.offload_between_calls = bool(kw.get("offload", False))
-        self.pack_sequences = bool(kw.get("pack_sequences", True))
+        pack = kw.get("pack_sequences", "prefix")
+        self.pack_sequences = pack if pack == "prefix" else bool(pack)
         self.engine = MegatronEngine(
             kw["model_path"],
             dtype=kw.get("dtype", "float32"),

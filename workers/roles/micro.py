@@ -47,16 +47,19 @@ def make_micro(ids: torch.Tensor, attn: torch.Tensor, fields: dict[str, torch.Te
 
 
 def response_micros(batch: Batch, micro_batch_size: int, keys: list[str], device: torch.device,
-                    pack: bool = False) -> list[Micro]:
+                    pack: bool | str = False) -> list[Micro]:
     """Micro-batches of an RL batch; `fields` carry `keys` (e.g. responses, advantages). Fields whose
     name starts with '_' are bookkeeping for `response_slice` / `restore_order`.
 
     Unpacked: `micro_batch_size` consecutive rows per micro-batch. Packed: the batch's sequences are
     packed first-fit-decreasing into rows no longer than the longest sequence, and
     `micro_batch_size` such rows form a micro-batch (so a micro-batch holds at least as many
-    sequences, with far less padding); the samples' order changes, `_index` records it."""
+    sequences, with far less padding); the samples' order changes, `_index` records it. `pack="prefix"`:
+    the samples that share a prompt (GRPO's n samples) share ONE copy of it (`prefix_shared_micros`)."""
     r = batch["responses"].shape[1]
     p = batch["input_ids"].shape[1] - r
+    if pack == "prefix":
+        return prefix_shared_micros(batch, p, max(1, micro_batch_size), keys, device)
     if pack:
         return packed_micros(batch, p, max(1, micro_batch_size), keys, device)
     out = []
@@ -122,6 +125,77 @@ def packed_micros(batch: Batch, p: int, rows_per_micro: int, keys: list[str], de
         fields = {k: batch[k][m_idx].to(device) for k in keys if k in batch}
         fields |= {"_gather": gather.to(device), "_index": m_idx}
         micros.append(Micro(tokens.to(device), pos.to(device), mask.to(device), fields))
+    return micros
+
+
+def prefix_shared_micros(batch: Batch, p: int, rows_per_micro: int, keys: list[str], device: torch.device
+                         ) -> list[Micro]:
+    """Packing where the samples that share a prompt share one copy of it.
+
+    A group = one prompt (m tokens) followed by the responses of every sample with that prompt; groups are
+    packed first-fit-decreasing into rows no longer than the longest group (so n=1 batches pack like
+    `packed_micros`). A response token attends to its group's prompt and, causally, to its own response,
+    never to the other responses; positions continue from the prompt (m, m+1, ...; RoPE at explicit
+    positions, workers/megatron/rope_positions.py), so every sample sees exactly the sequence it had alone
+    and the logits equal the unshared ones up to float rounding. The shared prompt positions get the sum
+    of the samples' gradients, as separate copies would. GRPO (n samples, prompts longer than responses)
+    computes ~n times fewer prompt tokens."""
+    ids, attn = batch["input_ids"], batch["attention_mask"].bool()
+    width = ids.shape[1]
+    cols = torch.arange(width)
+    lo = torch.where(attn[:, :p], cols[:p], torch.full_like(cols[:p], p)).min(1).values.clamp(max=p - 1)
+    hi = torch.where(attn, cols + 1, torch.zeros_like(cols)).max(1).values.clamp(min=p)
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for i in range(len(batch)):
+        by_prompt.setdefault(tuple(ids[i, int(lo[i]):p].tolist()), []).append(i)
+    groups = list(by_prompt.values())
+    plen = [p - int(lo[g[0]]) for g in groups]
+    rlen = (hi - p).tolist()
+    glen = [plen[k] + sum(rlen[i] for i in g) for k, g in enumerate(groups)]
+    bins = first_fit_decreasing(glen, max(glen, default=1))
+    micros = []
+    for b0 in range(0, len(bins), rows_per_micro):
+        rows = bins[b0:b0 + rows_per_micro]
+        w = max(sum(glen[k] for k in row) for row in rows)
+        tokens = torch.zeros(len(rows), w, dtype=ids.dtype)
+        grp = torch.full((len(rows), w), -1, dtype=torch.long)  # group of the token, -1: padding
+        own = torch.full((len(rows), w), -1, dtype=torch.long)  # sample of a response token, -1: prompt/pad
+        pos = torch.zeros(len(rows), w, dtype=torch.long)
+        members, first, start = [], [], []
+        for r, row in enumerate(rows):
+            o = 0
+            for k in row:
+                m = plen[k]
+                tokens[r, o:o + m] = ids[groups[k][0], p - m:p]
+                grp[r, o:o + m] = k
+                pos[r, o:o + m] = torch.arange(m)
+                prompt_end = o + m
+                o += m
+                for i in groups[k]:
+                    n = rlen[i]
+                    tokens[r, o:o + n] = ids[i, p:p + n]
+                    grp[r, o:o + n] = k
+                    own[r, o:o + n] = i
+                    pos[r, o:o + n] = torch.arange(m, m + n)
+                    members.append(i)
+                    first.append(r * w + prompt_end - 1)  # the logit that predicts response token 0
+                    start.append(r * w + o)
+                    o += n
+            pos[r, o:] = torch.arange(w - o)
+        same_group = grp[:, :, None] == grp[:, None, :]  # padding pairs count as one group (no empty rows)
+        visible = (own[:, None, :] == -1) | (own[:, :, None] == own[:, None, :])
+        causal = torch.triu(torch.ones(w, w, dtype=torch.bool), diagonal=1)
+        mask = (causal[None] | ~(same_group & visible)).unsqueeze(1)  # [rows, 1, w, w], True = masked
+        m_idx = torch.tensor(members, dtype=torch.long)
+        n_resp = torch.tensor([rlen[i] for i in members], dtype=torch.long)
+        r_eff = max(1, int(n_resp.max()))
+        j = torch.arange(r_eff)
+        first_t, start_t = torch.tensor(first), torch.tensor(start)
+        gather = torch.where(j[None, :] == 0, first_t[:, None], start_t[:, None] + j[None, :] - 1)
+        gather = torch.where(j[None, :] < n_resp[:, None], gather, first_t[:, None])  # padding: a real slot
+        fields = {key: batch[key][m_idx].to(device) for key in keys if key in batch}
+        fields |= {"_gather": gather.to(device), "_index": m_idx}
+        micros.append(Micro(tokens.to(device), pos.to(device), mask.to(device), fields, explicit_positions=True))
     return micros
 
 

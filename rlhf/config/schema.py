@@ -159,6 +159,11 @@ class TrainerConfig:
     eval_iters: int = 2
     progress_bar: bool = True
     tensorboard: bool = True
+    # Weights & Biases (pip install wandb, or the `tracking` extra): run name = output_dir's name, files under
+    # <output_dir>/wandb. offline needs no account or network (`wandb sync` uploads later).
+    wandb: bool = False
+    wandb_project: str = "rlhf"
+    wandb_mode: str = "offline"  # offline | online | disabled
     # SFT / pretrain: start from a checkpoint (a run dir, its checkpoints/ folder, a step-N folder or a role
     # folder); with --resume the run's own latest checkpoint wins. The two flags are Megatron's
     # --no-load-optim (fresh optimizer, scheduler and step) and --no-load-rng.

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlhf.config.schema import RoleConfig, RunConfig
+from rlhf.config.schema import RoleConfig, RunConfig, TrainerConfig
 from rlhf.errors import ConfigError
 
 ALGORITHMS = ("grpo", "ppo", "sft", "pretrain")
@@ -135,6 +136,7 @@ def validate_config(cfg: RunConfig) -> None:
     _choice(t.resume, "trainer.resume", ("never", "auto"))
     _require(t.save_every >= 0, "trainer.save_every", "an integer >= 0", t.save_every)
     _require(t.val_every >= 0, "trainer.val_every", "an integer >= 0", t.val_every)
+    check_wandb(t)
     _require(d.seq_length >= 1, "data.seq_length", "an integer >= 1", d.seq_length)
     shape = model_shape(cfg.model.path, cfg.model.preset)
     if shape is None:
@@ -188,6 +190,14 @@ def validate_config(cfg: RunConfig) -> None:
     if not cfg.reward.fn and not cfg.reward.model_path:
         raise ConfigError("reward: expected reward.fn (a rule name or module:function) or reward.model_path")
     _check_rl_batches(cfg)
+
+
+def check_wandb(t: TrainerConfig) -> None:
+    """trainer.wandb_mode is known and, with trainer.wandb=true, wandb is importable."""
+    _choice(t.wandb_mode, "trainer.wandb_mode", ("offline", "online", "disabled"))
+    if t.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("trainer.wandb=true but wandb is not installed; `pip install wandb` "
+                          "(or the extra: pip install -e '.[tracking]'), or set trainer.wandb=false")
 
 
 def _check_adv_estimator(name: str) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 from rlhf.config import RunConfig, save_config
 from rlhf.driver.checkpoints import CheckpointManager, rng_state, set_rng_state
 from rlhf.driver.lm_data import LMData, build_lm_data, check_lm_inputs, tokenizer_path
-from rlhf.driver.metrics import MetricsLogger
+from rlhf.driver.metrics import MetricsLogger, wandb_args
 from rlhf.driver.ray_env import init_ray
 from rlhf.driver.report import write_report
 from rlhf.errors import UserError
@@ -202,6 +202,7 @@ def run_lm(cfg: RunConfig) -> dict[str, float]:
     if cfg.trainer.load:
         resolve_checkpoint(cfg.trainer.load)  # fail before the workers start
     save_config(cfg, out / "config.yaml")
+    tracking = wandb_args(cfg)  # fails here, before Ray, if trainer.wandb is set and wandb is missing
     own_ray = init_ray(cfg.trainer)
     group, logger, last = None, None, {}
     try:
@@ -209,7 +210,8 @@ def run_lm(cfg: RunConfig) -> dict[str, float]:
         run = LMRun(cfg, data, group, out)
         run.restore()
         logger = MetricsLogger(out, cfg.trainer.total_steps, tensorboard=cfg.trainer.tensorboard,
-                               progress_bar=cfg.trainer.progress_bar, start_step=run.step, prefix=cfg.algorithm.name)
+                               progress_bar=cfg.trainer.progress_bar, start_step=run.step, prefix=cfg.algorithm.name,
+                               wandb=tracking)
         last = run.run(logger)
         if cfg.trainer.export_hf:
             group.export_hf(str(out / "hf"), tokenizer_path(cfg))

@@ -1,4 +1,5 @@
-"""Metric sinks for every stage: metrics.jsonl, TensorBoard, Ray gauges and a console progress bar."""
+"""Metric sinks for every stage: metrics.jsonl, TensorBoard, Ray gauges, a console progress bar and,
+when configured, Weights & Biases."""
 
 from __future__ import annotations
 
@@ -6,9 +7,14 @@ import json
 import math
 import sys
 import time
+import warnings
 from contextlib import contextmanager
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rlhf.config.schema import RunConfig
 
 # Ray gauges exported for the dashboard / Prometheus (keys of the step metrics -> gauge name).
 GAUGE_KEYS = (
@@ -45,11 +51,26 @@ def _plain(v: Any) -> Any:
     return v
 
 
+def wandb_args(cfg: RunConfig) -> dict[str, Any] | None:
+    """`wandb.init` arguments for trainer.wandb (None when off); raises ConfigError if wandb is missing."""
+    from rlhf.config.validate import check_wandb
+
+    t = cfg.trainer
+    check_wandb(t)
+    if not t.wandb:
+        return None
+    name = Path(t.output_dir).resolve().name
+    return {"project": t.wandb_project, "mode": t.wandb_mode, "name": name, "config": asdict(cfg)}
+
+
 class MetricsLogger:
-    """Writes one JSON object per step to `metrics.jsonl` and mirrors scalars to the other sinks."""
+    """Writes one JSON object per step to `metrics.jsonl` and mirrors scalars to the other sinks.
+
+    `wandb`: `wandb.init` arguments (see `wandb_args`) or None; the run's files go under `run_dir/wandb`.
+    A wandb failure warns once and turns that sink off; it never stops training."""
 
     def __init__(self, run_dir: str | Path, total_steps: int, tensorboard: bool = True, progress_bar: bool = True,
-                 start_step: int = 0, prefix: str = "rlhf") -> None:
+                 start_step: int = 0, prefix: str = "rlhf", wandb: dict[str, Any] | None = None) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a")
@@ -65,6 +86,19 @@ class MetricsLogger:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc=prefix, file=sys.stderr, dynamic_ncols=True)
+        self._wandb = None
+        if wandb is not None:
+            try:
+                import wandb as wb
+
+                # console="off": leave stdout/stderr (and the progress bar) alone
+                self._wandb = wb.init(dir=str(run_dir), settings=wb.Settings(console="off"), **wandb)
+            except Exception as e:
+                self._wandb_failed("init", e)
+
+    def _wandb_failed(self, what: str, e: Exception) -> None:
+        self._wandb = None
+        warnings.warn(f"wandb {what} failed, wandb logging is off for this run: {e!r}", stacklevel=3)
 
     def _gauge(self, key: str, value: float) -> None:
         try:
@@ -91,6 +125,12 @@ class MetricsLogger:
                 self._tb.add_scalar(k, v, step)
             if k in GAUGE_KEYS or k.startswith("time/") or k.startswith("val/"):
                 self._gauge(k, v)
+        if self._wandb is not None:
+            try:
+                self._wandb.log({k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))},
+                                step=step)
+            except Exception as e:
+                self._wandb_failed("log", e)
         if self._bar is not None:
             shown = {k: f"{row[k]:.4g}" for k in BAR_KEYS if isinstance(row.get(k), (int, float))}
             self._bar.set_postfix(shown, refresh=False)
@@ -103,6 +143,11 @@ class MetricsLogger:
             self._tb.close()
         if self._bar is not None:
             self._bar.close()
+        if self._wandb is not None:
+            try:
+                self._wandb.finish()
+            except Exception as e:
+                self._wandb_failed("finish", e)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

@@ -16,7 +16,7 @@ from algorithms import make_kl_controller
 from rlhf.config import RunConfig, save_config
 from rlhf.driver.checkpoints import CheckpointManager, rng_state, set_rng_state
 from rlhf.driver.context import StepContext, accuracy
-from rlhf.driver.metrics import MetricsLogger, PhaseTimer
+from rlhf.driver.metrics import MetricsLogger, PhaseTimer, wandb_args
 from rlhf.driver.ray_env import init_ray
 from rlhf.driver.report import write_report
 from rlhf.workflow import Roles
@@ -52,6 +52,7 @@ def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
     out = Path(cfg.trainer.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")
+    tracking = wandb_args(cfg)  # fails here, before Ray, if trainer.wandb is set and wandb is missing
     d = cfg.data
     train, val = load_prompt_dataset(d.train_file, d.val_file, val_size=d.val_size, prompt_key=d.prompt_key,
                                      messages_key=d.messages_key, answer_key=d.answer_key, seed=d.seed)
@@ -79,7 +80,8 @@ def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
             print(f"resumed from {resume_from} at step {start}", flush=True)
         roles.rollout.sync_weights(roles.policy, verify=cfg.rollout.verify_first_sync)
         logger = MetricsLogger(out, cfg.trainer.total_steps, tensorboard=cfg.trainer.tensorboard,
-                               progress_bar=cfg.trainer.progress_bar, start_step=start, prefix=a.name)
+                               progress_bar=cfg.trainer.progress_bar, start_step=start, prefix=a.name,
+                               wandb=tracking)
         if val and start == 0:
             logger.log(0, validate(roles, val))
 

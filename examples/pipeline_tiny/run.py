@@ -7,7 +7,7 @@
   5. `rlhf generate` a few answers from the export;
   and print the greedy held-out accuracy after each stage. `make run` runs it.
 
-    python examples/pipeline_tiny/run.py --out runs/pipeline_tiny [--sft-steps 200 --grpo-steps 200]
+    python examples/pipeline_tiny/run.py --out runs/pipeline_tiny [--sft-steps 300 --grpo-steps 1500]
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ def held_out(data_dir: Path) -> list[tuple[list, str]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/pipeline_tiny")
-    ap.add_argument("--sft-steps", type=int, default=200)
-    ap.add_argument("--grpo-steps", type=int, default=250)
+    ap.add_argument("--sft-steps", type=int, default=300)
+    ap.add_argument("--grpo-steps", type=int, default=1500)
     ap.add_argument("--fresh", action="store_true", help="delete --out first")
+    ap.add_argument("--sft-overrides", nargs="*", default=[], help="extra KEY=VALUE overrides of configs/sft_tiny.yaml")
     args = ap.parse_args()
 
     import ray
@@ -77,6 +78,10 @@ def main() -> int:
             f"model.path={init_dir}", f"data.train_file={data_dir / 'sft_train.jsonl'}",
             f"data.val_file={data_dir / 'sft_val.jsonl'}", f"trainer.total_steps={args.sft_steps}",
             f"trainer.output_dir={out / 'sft'}", "trainer.save_every=0", "trainer.progress_bar=false",
+            # 32 packed rows per step (about 190 conversations) on both cores: 37.5% greedy accuracy after
+            # 300 steps here; with sft_tiny's 16 rows, 200 steps reached only 5% (measured 2026-11-30).
+            "trainer.global_batch_size=32", "policy.micro_batch_size=16", "policy.resources.num_threads=2",
+            *args.sft_overrides,
         ])
         run_lm(prepare_inputs(sft))
         report("sft", out / "sft" / "hf")

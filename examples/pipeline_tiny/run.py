@@ -37,6 +37,7 @@ def main() -> int:
     ap.add_argument("--grpo-steps", type=int, default=1500)
     ap.add_argument("--fresh", action="store_true", help="delete --out first")
     ap.add_argument("--sft-overrides", nargs="*", default=[], help="extra KEY=VALUE overrides of configs/sft_tiny.yaml")
+    ap.add_argument("--grpo-overrides", nargs="*", default=[], help="extra KEY=VALUE overrides of configs/grpo_tiny.yaml")
     args = ap.parse_args()
 
     import ray
@@ -54,6 +55,8 @@ def main() -> int:
     if args.fresh:
         shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
+    for stage in ("sft", "grpo"):  # this script's own stage outputs: a rerun starts them afresh
+        shutil.rmtree(out / stage, ignore_errors=True)
     t0 = time.time()
     accuracy: dict[str, float] = {}
 
@@ -91,7 +94,7 @@ def main() -> int:
             f"model.path={out / 'sft' / 'hf'}", "model.warm_start_steps=0",
             f"data.train_file={data_dir / 'rl_train.jsonl'}", f"data.val_file={data_dir / 'rl_val.jsonl'}",
             "data.val_size=0", f"trainer.total_steps={args.grpo_steps}", f"trainer.output_dir={out / 'grpo'}",
-            "trainer.save_every=0", "trainer.val_every=50", "trainer.progress_bar=false",
+            "trainer.save_every=0", "trainer.val_every=50", "trainer.progress_bar=false", *args.grpo_overrides,
         ])
         run_rl(prepare_inputs(grpo))
     finally:

@@ -1,8 +1,8 @@
 """The example that must learn: the shipped tiny configs raise greedy held-out accuracy on the arithmetic task.
 
 These are the full runs of `configs/grpo_tiny.yaml` and `configs/ppo_tiny.yaml` (warm start, RL, validation
-every 50 steps on 200 held-out prompts), so they are marked `slow` (`make test-quick` skips them). They
-assert learning, not speed: wall time is reported by the run itself (metrics.jsonl, summary.txt) and in
+on 200 held-out prompts every 100 / 50 steps), so they are marked `slow` (`make test-quick` skips them).
+They assert learning, not speed: wall time is reported by the run itself (metrics.jsonl, summary.txt) and in
 bench/RESULTS.md.
 """
 
@@ -17,16 +17,13 @@ def val_curve(run) -> list[tuple[int, float]]:
     return [(row["step"], row["val/accuracy"]) for row in metrics(run) if "val/accuracy" in row]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1800)
-def test_grpo_tiny_raises_accuracy_by_25_points(tmp_path):
-    run = tmp_path / "grpo"
-    r = rlhf("train", "configs/grpo_tiny.yaml", "trainer.progress_bar=false", "trainer.save_every=0",
-             f"trainer.output_dir={run}", timeout=1700)
+def train_curve(run, config: str) -> list[tuple[int, float]]:
+    """Run `config` as shipped (no checkpoints) into `run`; its (step, greedy accuracy) evaluations."""
+    r = rlhf("train", config, "trainer.progress_bar=false", "trainer.save_every=0", f"trainer.output_dir={run}",
+             timeout=1700)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    curve = val_curve(run)
-    assert_grpo_learned(curve)
     assert (run / "report.png").is_file()
+    return val_curve(run)
 
 
 def assert_grpo_learned(curve: list[tuple[int, float]]) -> None:
@@ -42,12 +39,13 @@ def assert_grpo_learned(curve: list[tuple[int, float]]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
+def test_grpo_tiny_raises_accuracy_by_25_points(tmp_path):
+    assert_grpo_learned(train_curve(tmp_path / "grpo", "configs/grpo_tiny.yaml"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_ppo_tiny_raises_accuracy(tmp_path):
-    run = tmp_path / "ppo"
-    r = rlhf("train", "configs/ppo_tiny.yaml", "trainer.progress_bar=false", "trainer.save_every=0",
-             f"trainer.output_dir={run}", timeout=1700)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    curve = val_curve(run)
-    start = curve[0][1]
-    end = sum(acc for _, acc in curve[-2:]) / 2
+    curve = train_curve(tmp_path / "ppo", "configs/ppo_tiny.yaml")
+    start, end = curve[0][1], sum(acc for _, acc in curve[-2:]) / 2
     assert end - start >= 0.05, f"greedy accuracy {start:.1%} -> {end:.1%}; curve {curve}"

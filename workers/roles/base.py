@@ -3,9 +3,10 @@
 
 init_kwargs (from `WorkerGroup(init_kwargs=...)`): `model_path` (HF folder), `dtype` ("float32" |
 "bfloat16"), `micro_batch_size`, `optim` (dict of `OptimSettings` fields), `recompute`, `load_weights`,
-`offload` (frozen roles on GPU), `pack_sequences` (RL batches. "prefix", the default: the samples of one
-prompt share one copy of it in a row; True: pack whole sequences into rows with block-diagonal attention;
-False: padded rows. See workers/roles/micro.py).
+`offload` (frozen roles on GPU), `pack_sequences` (RL batches. "prefix", the default where the model's
+RoPE takes explicit positions: the samples of one prompt share one copy of it in a row; True (the default
+otherwise): whole sequences packed into rows with block-diagonal attention; False: padded rows. See
+workers/roles/micro.py).
 """
 
 from __future__ import annotations
@@ -98,8 +99,6 @@ class MegatronWorker(Worker):
         kw = self.init_kwargs
         self.micro_batch_size = int(kw.get("micro_batch_size", 8))
         self.offload_between_calls = bool(kw.get("offload", False))
-        pack = kw.get("pack_sequences", "prefix")
-        self.pack_sequences = pack if pack == "prefix" else bool(pack)
         self.engine = MegatronEngine(
             kw["model_path"],
             dtype=kw.get("dtype", "float32"),
@@ -109,6 +108,11 @@ class MegatronWorker(Worker):
             load_weights=kw.get("load_weights", True),
             recompute=kw.get("recompute", False),
         )
+        pack = kw.get("pack_sequences", "prefix" if self.engine.supports_explicit_positions else True)
+        if pack == "prefix" and not self.engine.supports_explicit_positions:
+            raise ValueError("pack_sequences='prefix' needs RoPE at explicit positions, which this model's "
+                             "(fused) RoPE does not take; use pack_sequences=True")
+        self.pack_sequences = pack if pack == "prefix" else bool(pack)
         if self.offload_between_calls:
             self.engine.offload()
 

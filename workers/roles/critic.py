@@ -18,7 +18,7 @@ from workers.batch import Batch
 from workers.dispatch import DP_COMPUTE, register, split_by_minibatch
 from workers.megatron.engine import Micro
 from workers.roles.base import MegatronWorker, Metrics
-from workers.roles.micro import pad_right, response_micros, response_slice, restore_order
+from workers.roles.micro import join_outputs, pad_right, response_micros, response_slice
 from workers.roles.policy import _from_any, _mean_steps
 
 
@@ -57,10 +57,7 @@ class CriticWorker(MegatronWorker):
             outs = eng.forward_backward(micros, loss_fn, forward_only=True)
         if not outs:
             return Batch()
-        if "_index" in outs[0]:
-            values = restore_order([o["values"] for o in outs], [o["_index"] for o in outs])
-        else:
-            values = torch.cat([o["values"] for o in outs])
+        values = join_outputs(outs, "values")
         if "response_mask" in batch:
             values = values * batch["response_mask"].to(values.dtype)
         return Batch({"values": values})

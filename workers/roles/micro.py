@@ -6,13 +6,15 @@ the columns some row actually uses (all-padding columns on the left and right ar
 changes nothing for the real tokens: RoPE depends only on relative positions and padding keys are
 masked. LM layout (`train_lm_step`): `input_ids` [B, S] with `attention_mask` and `loss_mask`.
 
-Packing (`pack=True`, the default of the roles): the real tokens of the batch's sequences are laid end
+Packing (`pack=True`): the real tokens of the batch's sequences are laid end
 to end, first-fit-decreasing into as few rows as possible (none longer than the longest sequence), with
 a block-diagonal causal mask, and `micro_batch_size` rows make a micro-batch. Little compute is spent on
 padding (the RL batch is padded to the longest prompt and response of the whole batch); the losses are
 split-invariant (global normaliser), so regrouping the samples does not change the gradients. Each sequence sees only itself, and RoPE
 depends only on relative positions, so the results equal the padded ones up to float rounding. The
-model output is gathered back to [b, R, ...] by `response_slice`.
+model output is gathered back to [b, R, ...] by `response_slice`. Prefix sharing (`pack="prefix"`, the
+roles' default where the model's RoPE takes explicit positions): the samples of one prompt share one copy
+of it in a packed row (`prefix_shared_micros`).
 """
 
 from __future__ import annotations
@@ -86,13 +88,20 @@ def first_fit_decreasing(lens: list[int], cap: int) -> list[list[int]]:
     return bins
 
 
+def real_spans(batch: Batch, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the columns [lo, hi) from the first real token (at most p-1: the logit of response token 0)
+    to one past the last real token (at least p), for the RL layout with prompts left-padded to p."""
+    attn = batch["attention_mask"].bool()
+    cols = torch.arange(attn.shape[1])
+    lo = torch.where(attn, cols, torch.full_like(cols, attn.shape[1])).min(1).values.clamp(max=p - 1)
+    hi = torch.where(attn, cols + 1, torch.zeros_like(cols)).max(1).values.clamp(min=p)
+    return lo, hi
+
+
 def packed_micros(batch: Batch, p: int, rows_per_micro: int, keys: list[str], device: torch.device) -> list[Micro]:
     """Pack every row's real span [first real token, last real token] (see `response_micros`)."""
-    ids, attn = batch["input_ids"], batch["attention_mask"].bool()
-    width = ids.shape[1]
-    cols = torch.arange(width)
-    lo = torch.where(attn, cols, torch.full_like(cols, width)).min(1).values.clamp(max=p - 1)  # logit of resp 0
-    hi = torch.where(attn, cols + 1, torch.zeros_like(cols)).max(1).values.clamp(min=p)
+    ids = batch["input_ids"]
+    lo, hi = real_spans(batch, p)
     lens = (hi - lo).tolist()
     bins = first_fit_decreasing(lens, max(lens, default=1))
     micros = []
@@ -140,11 +149,8 @@ def prefix_shared_micros(batch: Batch, p: int, rows_per_micro: int, keys: list[s
     and the logits equal the unshared ones up to float rounding. The shared prompt positions get the sum
     of the samples' gradients, as separate copies would. GRPO (n samples, prompts longer than responses)
     computes ~n times fewer prompt tokens."""
-    ids, attn = batch["input_ids"], batch["attention_mask"].bool()
-    width = ids.shape[1]
-    cols = torch.arange(width)
-    lo = torch.where(attn[:, :p], cols[:p], torch.full_like(cols[:p], p)).min(1).values.clamp(max=p - 1)
-    hi = torch.where(attn, cols + 1, torch.zeros_like(cols)).max(1).values.clamp(min=p)
+    ids = batch["input_ids"]
+    lo, hi = real_spans(batch, p)
     by_prompt: dict[tuple[int, ...], list[int]] = {}
     for i in range(len(batch)):
         by_prompt.setdefault(tuple(ids[i, int(lo[i]):p].tolist()), []).append(i)
@@ -205,6 +211,14 @@ def restore_order(parts: list[torch.Tensor], indices: list[torch.Tensor]) -> tor
     out = torch.empty_like(values)
     out[index] = values
     return out
+
+
+def join_outputs(outs: list[dict[str, torch.Tensor]], key: str) -> torch.Tensor:
+    """Concatenate `key` of per-micro-batch results in the batch's row order (packed micro-batches carry
+    `_index`, the rows they hold)."""
+    if "_index" in outs[0]:
+        return restore_order([o[key] for o in outs], [o["_index"] for o in outs])
+    return torch.cat([o[key] for o in outs])
 
 
 def response_slice(micro: Micro, output: torch.Tensor) -> tuple[torch.Tensor, int]:

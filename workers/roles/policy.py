@@ -19,7 +19,7 @@ from workers.dispatch import DP_COMPUTE, ONE_TO_ALL, register, split_by_minibatc
 from workers.megatron.engine import Micro
 from workers.roles.base import MegatronWorker, Metrics
 from workers.roles.logits import vocab_parallel_logprobs
-from workers.roles.micro import make_micro, pad_right, response_micros, response_slice, restore_order
+from workers.roles.micro import join_outputs, make_micro, pad_right, response_micros, response_slice
 from workers.roles.weights import put_buckets
 from workers.rollout.policy_mixin import RolloutSyncMixin
 
@@ -83,11 +83,7 @@ class LogprobMixin:
             outs = eng.forward_backward(micros, loss_fn, forward_only=True)
         if not outs:
             return Batch()
-        names = [k for k in outs[0] if k != "_index"]
-        if "_index" in outs[0]:
-            tensors = {k: restore_order([o[k] for o in outs], [o["_index"] for o in outs]) for k in names}
-        else:
-            tensors = {k: torch.cat([o[k] for o in outs]) for k in names}
+        tensors = {k: join_outputs(outs, k) for k in outs[0] if k != "_index"}
         mask = batch["response_mask"].to(torch.float32) if "response_mask" in batch else None
         if mask is not None:
             tensors = {k: v * mask for k, v in tensors.items()}

@@ -34,8 +34,8 @@ class RolloutWorker:
             from workers.group.worker import set_niceness
 
             set_niceness(0)  # Ray starts actors at nice 15: the engine would lose the CPU to any other process
-        if cfg.num_threads and not cuda_available():
-            torch.set_num_threads(cfg.num_threads)
+            if cfg.num_threads:
+                torch.set_num_threads(cfg.num_threads)
         from vllm import LLM
 
         t0 = time.perf_counter()

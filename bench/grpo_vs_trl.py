@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="shorter budget (150 s) and a smaller small-scale batch")
     p.add_argument("--scale", choices=("tiny", "small", "both"), default="both")
     p.add_argument("--budget", type=float, help="tiny: seconds of training per side (default 600, 150 with --quick)")
-    p.add_argument("--val-every", type=int, default=10, help="tiny: evaluation period in steps (both sides)")
+    p.add_argument("--val-every", type=int, default=50, help="tiny: evaluation period in steps (both sides)")
     p.add_argument("--smooth", type=int, default=5,
                    help="tiny: the accuracy figure is the mean of the last N evaluations within the budget")
     p.add_argument("--warm-steps", type=int, help="tiny: SFT warm-start steps shared by both sides "

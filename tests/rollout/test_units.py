@@ -51,6 +51,40 @@ def test_transport_is_chosen_in_one_place():
         choose_transport(on_gpu=False, colocated=False, override="shm", same_host=False)
 
 
+def test_sync_config_from_the_run_config():
+    from rlhf.config import load_config
+    from workers.rollout.syncer import SyncConfig
+
+    cfg = load_config("configs/grpo_tiny.yaml", ["rollout.zero_copy_weights=true", "rollout.sync_bucket_mb=8"])
+    sc = SyncConfig.from_config(cfg.rollout, timeout_s=30.0)
+    assert (sc.zero_copy, sc.bucket_mb, sc.timeout_s) == (True, 8.0, 30.0)
+    assert SyncConfig.from_config(load_config("configs/grpo_tiny.yaml", []).rollout).zero_copy is False
+
+
+def test_shm_layout_keeps_fused_weights_back_to_back():
+    """q/k/v (weights and biases) and gate/up follow each other without padding, so the engine's fused
+    tensors are views of the file (zero copy needs that); every other tensor starts aligned."""
+    from workers.rollout.shm import ALIGN, ShmLayout
+
+    p = "model.layers.0."
+    shapes = {"model.embed_tokens.weight": (33, 8), p + "self_attn.q_proj.weight": (8, 8),
+              p + "self_attn.k_proj.weight": (3, 8), p + "self_attn.v_proj.weight": (3, 8),
+              p + "mlp.gate_proj.weight": (5, 8), p + "mlp.up_proj.weight": (5, 8),
+              p + "self_attn.q_proj.bias": (8,), p + "self_attn.k_proj.bias": (3,), p + "self_attn.v_proj.bias": (3,),
+              "model.norm.weight": (8,)}
+    lay = ShmLayout.from_shapes(shapes, "float32")
+    off = dict(zip(lay.names, lay.offsets))
+    for a, b in [("q_proj", "k_proj"), ("k_proj", "v_proj")]:
+        for kind, size in [("weight", 8 * 4), ("bias", 4)]:
+            n = shapes[p + f"self_attn.{a}.{kind}"][0]
+            assert off[p + f"self_attn.{b}.{kind}"] == off[p + f"self_attn.{a}.{kind}"] + n * size
+    assert off[p + "mlp.up_proj.weight"] == off[p + "mlp.gate_proj.weight"] + 5 * 8 * 4
+    for name in ("model.embed_tokens.weight", p + "self_attn.q_proj.weight", p + "mlp.gate_proj.weight",
+                 p + "self_attn.q_proj.bias", "model.norm.weight"):
+        assert off[name] % ALIGN == 0
+    assert lay.nbytes % ALIGN == 0 and lay.nbytes >= off["model.norm.weight"] + 8 * 4
+
+
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_each_tp_shard_written_in_place_rebuilds_the_hf_tensors(tp):
     """shard_into_hf is the inverse of to_mcore_shard: every rank writing its shard = the gathered to_hf."""

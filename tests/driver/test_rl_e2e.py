@@ -97,8 +97,9 @@ def test_resume_is_deterministic(tmp_path):
     ],
 )
 def test_bad_input_fails_before_workers(tmp_path, overrides, words):
-    r = rlhf("train", "configs/grpo_tiny.yaml", *overrides, f"trainer.output_dir={tmp_path / 'x'}", timeout=120)
+    r = rlhf("train", "configs/grpo_tiny.yaml", *overrides, f"trainer.output_dir={tmp_path / 'x'}")
     assert r.returncode == 2, r.stderr
+    assert not (tmp_path / "x" / "logs").exists()  # no worker was started
     assert "Traceback" not in r.stderr
     for w in words:
         assert w in r.stderr
@@ -108,5 +109,6 @@ def test_invalid_jsonl_line_named(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "What is 1+1?", "answer": "2"}\n{not json\n')
     r = rlhf("train", "configs/grpo_tiny.yaml", "data.task=null", f"data.train_file={f}",
-             f"trainer.output_dir={tmp_path / 'x'}", timeout=120)
+             f"trainer.output_dir={tmp_path / 'x'}")
     assert r.returncode == 2 and f"{f}:2" in r.stderr.replace(" line ", ":"), r.stderr
+    assert not (tmp_path / "x" / "logs").exists()

@@ -1,0 +1,158 @@
+"""`make examples`: every example config's full learning run, checked and written to bench/RESULTS.md.
+
+Each config in `configs/` is trained as shipped (`rlhf train CONFIG`, no checkpoints) and its curve is
+checked against what the example promises: the RL examples raise greedy held-out accuracy, the LM examples
+lower the held-out loss. The criteria count steps and evaluations, never wall time, so a slower machine
+passes too; wall time is reported beside them. The table between the markers in bench/RESULTS.md is
+replaced by this run's rows; the exit code is 1 if any example missed its criterion.
+
+    python examples/learning.py                   # all examples (~25 min on 2 cores)
+    python examples/learning.py --only grpo_tiny  # one of them
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BEGIN, END = "<!-- make examples: begin -->", "<!-- make examples: end -->"
+
+Curve = list[tuple[int, float]]
+
+
+@dataclass(frozen=True)
+class Example:
+    name: str
+    metric: str  # the evaluated curve, read from metrics.jsonl
+    check: Callable[[Curve], str | None]  # None when the curve meets the promise, else why not
+    promise: str
+
+
+def _points(curve: Curve) -> tuple[float, float, float]:
+    """(first, best after the first, mean of the last two) of an accuracy curve."""
+    return curve[0][1], max(v for _, v in curve[1:]), sum(v for _, v in curve[-2:]) / 2
+
+
+def grpo_learned(curve: Curve) -> str | None:
+    """+25 points at the best evaluation and +20 on the mean of the last two (one evaluation of 200 prompts
+    moves by ~3 points between neighbours, and other CPUs round differently)."""
+    start, best, end = _points(curve)
+    if best - start < 0.25 or end - start < 0.20:
+        return f"accuracy {start:.1%} -> best {best:.1%}, last two {end:.1%} (want +25 / +20 points)"
+    return None
+
+
+def ppo_learned(curve: Curve) -> str | None:
+    start, _, end = _points(curve)
+    return None if end - start >= 0.05 else f"accuracy {start:.1%} -> last two {end:.1%} (want +5 points)"
+
+
+def loss_fell(curve: Curve) -> str | None:
+    start, end = curve[0][1], curve[-1][1]
+    return None if end < 0.8 * start else f"held-out loss {start:.3f} -> {end:.3f} (want below 80% of the first)"
+
+
+EXAMPLES = [
+    Example("grpo_tiny", "val/accuracy", grpo_learned, "greedy accuracy +25 points (best), +20 (last two)"),
+    Example("ppo_tiny", "val/accuracy", ppo_learned, "greedy accuracy +5 points (last two)"),
+    Example("sft_tiny", "val/loss", loss_fell, "held-out loss below 80% of the first evaluation"),
+    Example("pretrain_tiny", "val/loss", loss_fell, "held-out loss below 80% of the first evaluation"),
+]
+
+
+def train(example: Example, out: Path) -> dict:
+    """Run the example's config as shipped into `out`; its curve, wall time and step times."""
+    cmd = [sys.executable, "-m", "rlhf", "train", f"configs/{example.name}.yaml", "trainer.progress_bar=false",
+           "trainer.save_every=0", f"trainer.output_dir={out}"]
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with (out.parent / f"{example.name}.log").open("w") as log:
+        rc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1")).returncode
+    wall = time.perf_counter() - t0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()] if rc == 0 else []
+    curve = [(r["step"], float(r[example.metric])) for r in rows if example.metric in r]
+    steps = [r["step_time_s"] for r in rows if "step_time_s" in r]
+    failure = (f"`rlhf train` exited {rc} (log: {out.parent / (example.name + '.log')})" if rc
+               else "fewer than two evaluations" if len(curve) < 2 else example.check(curve))
+    return {"curve": curve, "wall_s": wall, "steps": max((r["step"] for r in rows), default=0),
+            "median_step_s": statistics.median(steps) if steps else float("nan"), "failure": failure}
+
+
+def run_stamp() -> str:
+    """Commit, time, cores and load of this run, for each row."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip() or "?"
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return f"{commit}, {stamp}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
+
+
+def row(example: Example, res: dict, stamp: str) -> str:
+    curve = res["curve"]
+    pct = example.metric.endswith("accuracy")
+    fmt = (lambda v: f"{v:.1%}") if pct else (lambda v: f"{v:.3f}")
+    shown = f"{fmt(curve[0][1])} -> {fmt(curve[-1][1])}" if curve else "-"
+    if pct and len(curve) > 1:
+        shown += f" (best {fmt(max(v for _, v in curve[1:]))})"
+    verdict = "**fail**: " + res["failure"] if res["failure"] else "pass"
+    return (f"| `{example.name}` | {example.metric} {shown} | {res['steps']} | {res['median_step_s']:.3f} s "
+            f"| {res['wall_s'] / 60:.1f} min | {example.promise} | {verdict} | {stamp} |")
+
+
+def write_results(rows: list[str], results: Path) -> None:
+    """Replace the table between the markers in `results` (appended with a heading if absent)."""
+    body = "\n".join([
+        BEGIN,
+        "Written by `make examples` (examples/learning.py): each config as shipped, wall time for the whole",
+        "`rlhf train` command; the run column gives the commit, the time the example finished, the cores and the",
+        "1-minute load average then.",
+        "",
+        "| example | curve (first -> last evaluation) | steps | median step | wall time | promise | result | run |",
+        "|---|---|---|---|---|---|---|---|",
+        *rows,
+        END,
+    ])
+    text = results.read_text() if results.exists() else "# Bench results\n"
+    names = {r.split("`")[1] for r in rows}
+    if BEGIN in text and END in text:  # keep the rows of examples not run this time
+        kept = [ln for ln in text.split(BEGIN, 1)[1].split(END, 1)[0].splitlines()
+                if ln.startswith("| `") and ln.split("`")[1] not in names]
+        body = body.replace("\n" + END, "\n" + "\n".join(kept) + "\n" + END) if kept else body
+        head, rest = text.split(BEGIN, 1)
+        text = head + body + rest.split(END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n## The learning examples (`make examples`)\n\n" + body + "\n"
+    results.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", nargs="*", choices=[e.name for e in EXAMPLES], help="run only these examples")
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "examples", help="run folders go here")
+    p.add_argument("--results", type=Path, default=REPO / "bench" / "RESULTS.md", help="the file to update")
+    args = p.parse_args(argv)
+    chosen = [e for e in EXAMPLES if not args.only or e.name in args.only]
+    rows, failed = [], []
+    for example in chosen:
+        print(f"== {example.name}: {example.promise}", flush=True)
+        res = train(example, args.out / example.name)
+        rows.append(row(example, res, run_stamp()))
+        print(rows[-1], flush=True)
+        if res["failure"]:
+            failed.append(example.name)
+    write_results(rows, args.results)
+    print(f"{len(chosen) - len(failed)} passed, {len(failed)} failed" + (f": {' '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

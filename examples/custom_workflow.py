@@ -11,14 +11,19 @@ import sys
 
 import torch
 
-from algorithms import compute_advantages
-from algorithms.rewards import extract_answer, parse_number
-from rlhf.config import load_config
-from rlhf.driver.advantages import token_level_scores
-from rlhf.driver.context import StepContext, rollout_metrics
-from rlhf.driver.prepare import prepare_inputs
-from rlhf.driver.rl import run_rl
-from rlhf.workflow import Roles, loss_config
+from rlhf.api import (
+    Roles,
+    StepContext,
+    compute_advantages,
+    extract_answer,
+    load_config,
+    loss_config,
+    parse_number,
+    prepare_inputs,
+    rollout_metrics,
+    run_rl,
+    token_level_scores,
+)
 
 
 def partial_credit(prompt: object, response: str, ground_truth: str) -> float:

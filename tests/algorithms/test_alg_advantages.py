@@ -403,7 +403,9 @@ def test_equal_group_is_zero_next_to_a_varied_group(norm_by_std):
     r = torch.tensor(scores, dtype=torch.float32).unsqueeze(-1)
     m = torch.ones_like(r, dtype=torch.long)
     ids = [0] * 8 + [1] * 8
-    adv, _ = compute_advantages("grpo", token_level_rewards=r, response_mask=m, group_ids=ids, norm_by_std=norm_by_std)
+    adv, _ = compute_advantages(
+        "grpo", token_level_rewards=r, response_mask=m, group_ids=ids, norm_by_std=norm_by_std
+    )
     assert torch.count_nonzero(adv[:8]) == 0
     expected = grpo_ref(tl(r.double()), tl(m), ids, norm_by_std)[8:]
     assert_close(adv[8:], expected, atol=1e-6, rtol=1e-6)

@@ -14,12 +14,15 @@ from .advantages import (
     reinforce_plus_plus_baseline,
     rloo,
 )
-from .aggregation import AGG_MODES, agg_loss, global_normalizer
+from .aggregation import AGG_MODES, agg_loss, check_agg_mode, global_normalizer
 from .kl import (
+    KL_ALIASES,
+    KL_CONTROLLERS,
     KL_KINDS,
     AdaptiveKLController,
     FixedKLController,
     apply_kl_penalty,
+    canonical_kl_kind,
     kl_estimate,
     make_kl_controller,
 )
@@ -43,6 +46,8 @@ from .rewards import (
 __all__ = [
     "ADVANTAGE_KWARGS",
     "AGG_MODES",
+    "KL_ALIASES",
+    "KL_CONTROLLERS",
     "KL_KINDS",
     "AdaptiveKLController",
     "FixedKLController",
@@ -51,6 +56,8 @@ __all__ = [
     "UnknownRewardError",
     "agg_loss",
     "apply_kl_penalty",
+    "canonical_kl_kind",
+    "check_agg_mode",
     "combine_rewards",
     "compute_advantages",
     "entropy_from_logits",

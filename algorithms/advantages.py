@@ -17,8 +17,9 @@ it does not use, unknown keywords raise ``TypeError``)::
 Both outputs are [B, T], zero outside ``response_mask``, computed without autograd. Rewards at
 masked-out positions are ignored. Sequence-level estimators (grpo, rloo, reinforce_plus_plus_baseline)
 score each row by ``sum_t r[b, t] * m[b, t]`` and broadcast the advantage over the row's mask.
-Grouped estimators give a group of size 1 the advantage 0 before any batch whitening (there is no
-other sample to compare with).
+Grouped estimators compute their group statistics in float64 and give a group of size 1 (there is
+no other sample to compare with) or a group whose scores are all equal (there is nothing to learn
+from it) the advantage exactly 0, before any batch whitening.
 """
 
 from __future__ import annotations
@@ -148,20 +149,28 @@ def _group_index(group_ids: GroupIds | None, batch: int, device: torch.device, w
 
 
 def _group_stats(scores: torch.Tensor, inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sequence (group size, group mean, unbiased group std); std is 0 for groups of size 1."""
+    """Per-sequence (group size, centred score ``s - mean_g``, unbiased group std), all float64.
+
+    Computed in float64 so that rounding cannot invent a spread: a group whose scores are all equal
+    gets a centred score and std of exactly 0 (in float32, 16 scores of 2.2 leave a std of ~1e-7,
+    which ``/ (std + eps)`` blows up to advantages of ~0.2). Groups of size 1 have std 0.
+    """
+    s = scores.to(torch.float64)
     n_groups = int(inv.max().item()) + 1 if inv.numel() else 0
-    counts = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(
-        0, inv, torch.ones_like(scores)
-    )
-    sums = torch.zeros_like(counts).index_add_(0, inv, scores)
+    counts = torch.zeros(n_groups, dtype=s.dtype, device=s.device).index_add_(0, inv, torch.ones_like(s))
+    sums = torch.zeros_like(counts).index_add_(0, inv, s)
     mean = sums / counts.clamp_min(1.0)
-    sq = torch.zeros_like(counts).index_add_(0, inv, (scores - mean[inv]) ** 2)
+    hi = torch.zeros_like(counts).scatter_reduce_(0, inv, s, reduce="amax", include_self=False)
+    lo = torch.zeros_like(counts).scatter_reduce_(0, inv, s, reduce="amin", include_self=False)
+    centered = torch.where((hi == lo)[inv], torch.zeros_like(s), s - mean[inv])
+    sq = torch.zeros_like(counts).index_add_(0, inv, centered**2)
     std = torch.sqrt(sq / (counts - 1.0).clamp_min(1.0))
-    return counts[inv], mean[inv], std[inv]
+    return counts[inv], centered, std[inv]
 
 
 def _sequence_scores(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (rewards * mask).sum(dim=-1)
+    """``sum_t r[b, t] * m[b, t]`` in float64 (see ``_group_stats``)."""
+    return (rewards.to(torch.float64) * mask.to(torch.float64)).sum(dim=-1)
 
 
 # -------------------------------------------------------------------------------------------- estimators
@@ -226,17 +235,17 @@ def grpo(
     """Group-relative outcome advantage (Shao et al. 2024).
 
     ``s_b = sum_t r[b,t] m[b,t]``; ``A_b = (s_b - mean_g) / (std_g + eps)`` with the unbiased group
-    std, or ``A_b = s_b - mean_g`` when ``norm_by_std=False`` (Dr. GRPO). Groups of size 1 get 0.
+    std, or ``A_b = s_b - mean_g`` when ``norm_by_std=False`` (Dr. GRPO). Groups of size 1 and groups
+    of equal scores get exactly 0 (float64 statistics, see the module doc).
     ``A`` is broadcast over the row's mask; returns = advantages. Inputs [B, T], group_ids [B].
     """
     r, m = _check(token_level_rewards, response_mask)
     scores = _sequence_scores(r, m)
     inv = _group_index(group_ids, r.shape[0], r.device, "grpo")
-    counts, mean, std = _group_stats(scores, inv)
-    centered = scores - mean
+    counts, centered, std = _group_stats(scores, inv)
     adv = centered / (std + eps) if norm_by_std else centered
     adv = torch.where(counts > 1, adv, torch.zeros_like(adv))
-    adv = adv.unsqueeze(-1) * m
+    adv = adv.to(r.dtype).unsqueeze(-1) * m
     return adv, adv.clone()
 
 
@@ -252,15 +261,15 @@ def rloo(
     """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024).
 
     ``A_b = s_b - mean_{j in g, j != b} s_j = (n / (n - 1)) * (s_b - mean_g)`` for a group of size n;
-    groups of size 1 get 0. Broadcast over the mask; returns = advantages.
+    groups of size 1 and groups of equal scores get exactly 0. Broadcast over the mask; returns = advantages.
     """
     r, m = _check(token_level_rewards, response_mask)
     scores = _sequence_scores(r, m)
     inv = _group_index(group_ids, r.shape[0], r.device, "rloo")
-    counts, mean, _std = _group_stats(scores, inv)
-    adv = (scores - mean) * counts / (counts - 1.0).clamp_min(1.0)
+    counts, centered, _std = _group_stats(scores, inv)
+    adv = centered * counts / (counts - 1.0).clamp_min(1.0)
     adv = torch.where(counts > 1, adv, torch.zeros_like(adv))
-    adv = adv.unsqueeze(-1) * m
+    adv = adv.to(r.dtype).unsqueeze(-1) * m
     return adv, adv.clone()
 
 
@@ -301,13 +310,14 @@ def reinforce_plus_plus_baseline(
     group_ids: GroupIds | None = None,
     **_: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """REINFORCE++ with a group baseline: ``s_b - mean_g`` (0 for groups of size 1), broadcast over
-    the mask, then whitened over all mask-1 tokens of the batch; returns = advantages.
+    """REINFORCE++ with a group baseline: ``s_b - mean_g`` (exactly 0 for groups of size 1 or of equal
+    scores), broadcast over the mask, then whitened over all mask-1 tokens of the batch;
+    returns = advantages.
     """
     r, m = _check(token_level_rewards, response_mask)
     scores = _sequence_scores(r, m)
     inv = _group_index(group_ids, r.shape[0], r.device, "reinforce_plus_plus_baseline")
-    counts, mean, _std = _group_stats(scores, inv)
-    centered = torch.where(counts > 1, scores - mean, torch.zeros_like(scores))
+    counts, centered, _std = _group_stats(scores, inv)
+    centered = torch.where(counts > 1, centered, torch.zeros_like(centered)).to(r.dtype)
     adv = masked_whiten(centered.unsqueeze(-1) * m, m) * m
     return adv, adv.clone()

@@ -6,26 +6,31 @@ Every mode is "a sum over the batch divided by a normaliser":
 mode                         loss                                                   normaliser N
 ===========================  =====================================================  ==============
 ``token-mean``               ``sum_{b,t} m*l / N``                                  valid tokens
+``token-sum``                ``sum_{b,t} m*l``                                      1 (fixed)
 ``seq-mean-token-sum``       ``sum_b (sum_t m*l) / N``                              valid seqs
 ``seq-mean-token-mean``      ``sum_b (sum_t m*l / sum_t m) / N``                    valid seqs
 ``seq-mean-token-sum-norm``  ``sum_b (sum_t m*l / horizon) / N`` (Dr. GRPO)         valid seqs
 ===========================  =====================================================  ==============
 
 A "valid sequence" is a row with at least one mask-1 token (all-padding rows are not counted).
+The names are verl's ``loss_agg_mode`` values, with the same meaning. ``token-sum`` has no
+normaliser: ``agg_loss`` ignores ``normalizer`` for it, so the loss stays the plain masked sum
+whatever N a caller computed and all-reduced, and summing it over micro-batches and ranks gives the
+sum over the whole batch.
 
 Split invariance. When the batch is split along the batch dimension into micro-batches and every
 micro-batch is reduced with the *global* normaliser (``global_normalizer`` of the full mini-batch
-mask), ``sum_i agg_loss(micro_i, normalizer=N) == agg_loss(full)`` for **all four** modes: the
+mask), ``sum_i agg_loss(micro_i, normalizer=N) == agg_loss(full)`` for **every** mode: the
 numerator is a sum over rows, and each row's term depends only on that row (the per-sequence mean of
 ``seq-mean-token-mean`` included). ``seq-mean-token-sum-norm`` additionally needs the same
 ``horizon`` for every micro-batch: pass ``horizon`` explicitly when micro-batches are padded to
 different lengths (the default, ``loss_mat.shape[-1]``, changes with the padding). Splitting along the
-*sequence* dimension (context parallelism) keeps ``token-mean``, ``seq-mean-token-sum`` and
-``seq-mean-token-sum-norm`` invariant but not ``seq-mean-token-mean`` (the per-row token count must
-then be the full row's).
+*sequence* dimension (context parallelism) keeps ``token-mean``, ``token-sum``,
+``seq-mean-token-sum`` and ``seq-mean-token-sum-norm`` invariant but not ``seq-mean-token-mean``
+(the per-row token count must then be the full row's).
 
 Without a normaliser each call uses its own local count, i.e. a mean of micro-batch means, which is
-*not* split-invariant.
+*not* split-invariant (``token-sum`` excepted).
 
 Data parallelism: compute ``N = global_normalizer(mini_batch_mask, mode)`` once per mini-batch before
 splitting, ``all_reduce(N, SUM)`` over the data-parallel group, and pass it to every micro-batch.
@@ -43,6 +48,7 @@ __all__ = ["AGG_MODES", "agg_loss", "global_normalizer", "check_agg_mode"]
 
 AGG_MODES: tuple[str, ...] = (
     "token-mean",
+    "token-sum",
     "seq-mean-token-sum",
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
@@ -70,8 +76,9 @@ def agg_loss(
     """Aggregate ``loss_mat`` [B, T] under ``mask`` [B, T] into a 0-dim tensor (see module doc).
 
     ``normalizer``: the divisor N (global token count for ``token-mean``, global number of valid
-    sequences for ``seq-mean-*``); ``None`` uses this batch's own count. ``horizon``: the constant
-    per-sequence divisor of ``seq-mean-token-sum-norm`` (default ``loss_mat.shape[-1]``).
+    sequences for ``seq-mean-*``; ignored by ``token-sum``); ``None`` uses this batch's own count.
+    ``horizon``: the constant per-sequence divisor of ``seq-mean-token-sum-norm`` (default
+    ``loss_mat.shape[-1]``).
     An empty batch gives 0.
     """
     check_agg_mode(mode)
@@ -79,6 +86,8 @@ def agg_loss(
         raise ValueError(f"loss_mat {tuple(loss_mat.shape)} and mask {tuple(mask.shape)} must match")
     m = mask.to(loss_mat.dtype)
     tok_sum = (loss_mat * m).sum(dim=-1)  # [B]
+    if mode == "token-sum":
+        return tok_sum.sum()
     if mode == "token-mean":
         numerator = tok_sum.sum()
         local_n = m.sum()
@@ -111,8 +120,9 @@ def global_normalizer(
     """The divisor N of ``agg_loss`` for a whole mini-batch, as a 0-dim float32 tensor.
 
     Takes the full mini-batch mask [B, T] (or a list of micro-batch masks, which may differ in T).
-    Returns the mask sum (number of mask-1 tokens) for ``token-mean`` and the number of valid sequences (rows
-    with at least one mask-1 token) for every ``seq-mean-*`` mode. ``horizon`` is accepted for a
+    Returns the mask sum (number of mask-1 tokens) for ``token-mean``, the number of valid sequences (rows
+    with at least one mask-1 token) for every ``seq-mean-*`` mode, and 1 for ``token-sum`` (which
+    ``agg_loss`` does not divide by anything). ``horizon`` is accepted for a
     uniform signature and only validated: the horizon of ``seq-mean-token-sum-norm`` is passed to
     ``agg_loss``, it is not folded into N. Under data parallelism, all-reduce (SUM) the result.
     """
@@ -123,6 +133,8 @@ def global_normalizer(
     if not masks:
         raise ValueError("global_normalizer needs at least one mask")
     total = torch.zeros((), dtype=torch.float32, device=masks[0].device)
+    if mode == "token-sum":
+        return total + 1.0
     for m in masks:
         if mode == "token-mean":
             total = total + m.to(torch.float32).sum()

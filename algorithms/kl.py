@@ -4,13 +4,18 @@ Estimators take per-token log-probabilities of the *sampled* tokens, ``logp`` (p
 ``ref_logp`` (reference), both [B, T], and return a per-token estimate of KL(policy || ref) [B, T]
 (Schulman, "Approximating KL divergence", 2020). With ``d = logp - ref_logp``:
 
-- ``k1``: ``d`` (unbiased, can be negative)
+- ``k1`` (alias ``kl``): ``d`` (unbiased, can be negative)
 - ``k2`` (alias ``mse``): ``0.5 * d^2``
 - ``k3`` (alias ``low_var_kl``): ``exp(-d) + d - 1``, with ``-d`` clamped to [-20, 20] and the result
   to [-10, 10]; always >= 0
 - ``abs``: ``|d|``
-- ``<kind>+`` (e.g. ``k3+``): the value of ``<kind>`` with the gradient of ``k2`` (straight-through):
-  ``k2 - k2.detach() + kind.detach()``; as a loss its gradient is the unbiased gradient of KL.
+- ``<kind>+`` (e.g. ``k3+``, ``low_var_kl+``): the value of ``<kind>`` with the gradient of ``k2``
+  (straight-through): ``k2 - k2.detach() + kind.detach()``; as a loss its gradient is the unbiased
+  gradient of KL.
+
+The aliases (``KL_ALIASES``) are verl's ``kl_penalty`` names, which compute the same values, so a
+config ported from verl keeps working. verl's ``full`` (the exact KL over the whole vocabulary) is not
+an estimator from sampled-token log-probabilities and is not supported.
 """
 
 from __future__ import annotations
@@ -21,7 +26,10 @@ from typing import Any
 import torch
 
 __all__ = [
+    "KL_ALIASES",
+    "KL_CONTROLLERS",
     "KL_KINDS",
+    "canonical_kl_kind",
     "kl_estimate",
     "FixedKLController",
     "AdaptiveKLController",
@@ -29,11 +37,25 @@ __all__ = [
     "apply_kl_penalty",
 ]
 
-_ALIASES = {"low_var_kl": "k3", "mse": "k2"}
+# verl's names for the same estimators (verl's "abs" is ours already)
+KL_ALIASES: dict[str, str] = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 _BASE_KINDS = ("k1", "k2", "k3", "abs")
-KL_KINDS: tuple[str, ...] = (
-    _BASE_KINDS + tuple(_ALIASES) + tuple(k + "+" for k in _BASE_KINDS + tuple(_ALIASES))
-)
+_NAMES = _BASE_KINDS + tuple(KL_ALIASES)
+# every accepted name: the base kinds, their aliases, and the straight-through "+" form of each
+KL_KINDS: tuple[str, ...] = _NAMES + tuple(k + "+" for k in _NAMES)
+# the KL coefficient controllers of ``make_kl_controller``
+KL_CONTROLLERS: tuple[str, ...] = ("fixed", "adaptive")
+
+
+def canonical_kl_kind(kind: str) -> str:
+    """Our name for ``kind`` (``"low_var_kl+"`` -> ``"k3+"``); ``ValueError`` listing the known names."""
+    straight_through = kind.endswith("+")
+    base = kind[:-1] if straight_through else kind
+    base = KL_ALIASES.get(base, base)
+    if base not in _BASE_KINDS:
+        hint = " (verl's full-vocabulary KL is not supported)" if base == "full" else ""
+        raise ValueError(f"unknown KL estimator {kind!r}{hint}; known: {', '.join(KL_KINDS)}")
+    return base + "+" if straight_through else base
 
 
 def _k2(d: torch.Tensor) -> torch.Tensor:
@@ -58,11 +80,9 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") ->
 
     Unknown kinds raise ``ValueError`` listing the known ones.
     """
+    kind = canonical_kl_kind(kind)
     straight_through = kind.endswith("+")
-    base = kind[:-1] if straight_through else kind
-    base = _ALIASES.get(base, base)
-    if base not in _BASE_KINDS:
-        raise ValueError(f"unknown KL estimator {kind!r}; known: {', '.join(KL_KINDS)}")
+    base = kind.rstrip("+")
     d = logp - ref_logp
     value = _forward(base, d)
     if not straight_through or base == "k2":
@@ -146,7 +166,7 @@ def make_kl_controller(
         return FixedKLController(init_beta)
     if kind == "adaptive":
         return AdaptiveKLController(init_beta, target, horizon)  # type: ignore[arg-type]
-    raise ValueError(f"unknown KL controller {kind!r}; known: fixed, adaptive")
+    raise ValueError(f"unknown KL controller {kind!r}; known: {', '.join(KL_CONTROLLERS)}")
 
 
 def apply_kl_penalty(

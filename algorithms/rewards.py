@@ -57,7 +57,7 @@ class RewardFn:
 
     def __init__(self, impl: Callable[[Any, Any, Any], Any], name: str | None = None) -> None:
         self.impl = impl
-        self.name = name or getattr(impl, "__name__", "reward")
+        self.name: str = name or str(getattr(impl, "__name__", "reward"))
         self.__doc__ = getattr(impl, "__doc__", None)
 
     def with_reason(self, prompt: Any, response: Any, ground_truth: Any) -> RewardResult:

@@ -107,3 +107,73 @@ def test_real_model_folder_divisibility(tiny_model_factory):
     path = tiny_model_factory("tiny-llama")
     with pytest.raises(ConfigError, match="tp=3 does not divide the 4 attention heads"):
         load_config(None, [f"model.path={path}", "policy.parallel.tp=3"])
+
+
+# ---- choices come from the algorithms registries --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("algorithm.kl_kind", "kl"),  # verl's name for k1
+        ("algorithm.kl_kind", "low_var_kl+"),
+        ("algorithm.kl_kind", "mse"),
+        ("algorithm.kl_kind", "abs+"),
+        ("algorithm.loss_agg_mode", "token-sum"),
+        ("algorithm.adv_estimator", "rloo"),
+        ("algorithm.kl_ctrl", "adaptive"),
+        ("reward.fn", "math_exact_match"),
+    ],
+)
+def test_registry_names_and_verl_aliases_accepted(field, value):
+    cfg = load_config(None, BASE + [f"{field}={value}"])
+    section, key = field.split(".")
+    assert getattr(getattr(cfg, section), key) == value
+
+
+@pytest.mark.parametrize(
+    "field, listed",
+    [
+        ("algorithm.kl_kind", ["k1", "kl", "low_var_kl", "k3+", "mse+"]),
+        ("algorithm.loss_agg_mode", ["token-mean", "token-sum", "seq-mean-token-sum-norm"]),
+        ("algorithm.adv_estimator", ["gae", "grpo", "rloo", "reinforce_plus_plus_baseline"]),
+        ("algorithm.kl_ctrl", ["fixed", "adaptive"]),
+        ("reward.fn", ["exact_match", "math_exact_match", "module:function"]),
+    ],
+)
+def test_unknown_choice_names_field_and_lists_registry(field, listed):
+    msg = err([f"{field}=nope"])
+    assert msg.startswith(f"{field}: expected one of ") and msg.endswith(", got 'nope'")
+    choices = msg.removeprefix(f"{field}: expected one of ").removesuffix(", got 'nope'").split(", ")
+    assert set(listed) <= set(choices)
+
+
+def test_newly_registered_estimator_and_reward_need_no_config_edit(monkeypatch):
+    from algorithms import advantages, rewards
+
+    monkeypatch.setattr(advantages, "_REGISTRY", dict(advantages._REGISTRY))
+    monkeypatch.setattr(rewards, "_REGISTRY", dict(rewards._REGISTRY))
+    assert "my_baseline" not in err(["algorithm.adv_estimator=nope"])
+    advantages.register_advantage_estimator("my_baseline")(advantages.rloo)
+    rewards.register_reward("my_reward")(lambda prompt, response, ground_truth: 1.0)
+    cfg = load_config(None, BASE + ["algorithm.adv_estimator=my_baseline", "reward.fn=my_reward"])
+    assert cfg.algorithm.adv_estimator == "my_baseline" and cfg.reward.fn == "my_reward"
+
+
+@pytest.mark.parametrize("key", ["trainer.log_every", "policy.resources.colocate_with"])
+def test_removed_knobs_are_unknown_keys(key):
+    msg = err([f"{key}=1"])
+    assert f"unknown key '{key}'" in msg
+
+
+def test_config_reference_documents_aliases_and_dual_clip():
+    from algorithms import AGG_MODES, KL_ALIASES
+    from rlhf.config.schema import AlgorithmConfig
+
+    doc = AlgorithmConfig.__doc__ or ""
+    for alias, ours in KL_ALIASES.items():
+        assert f"{alias} = {ours}" in doc
+    for mode in AGG_MODES:
+        assert mode in doc
+    assert "clip_c: null" in doc and "c = 3" in doc
+    assert AlgorithmConfig().clip_c is None

@@ -73,7 +73,7 @@ def _merge(base: Any, update: Any, source: str) -> Any:
         key = e.full_key or str(e.key)
         raise ConfigError(f"{source}: unknown key '{key}'{_did_you_mean(key)}") from None
     except ValidationError as e:
-        raise ConfigError(f"{source}: field '{e.full_key}': {e.msg.splitlines()[0]}") from None
+        raise ConfigError(f"{source}: field '{e.full_key}': {str(e.msg).splitlines()[0]}") from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"{source}: {str(e).splitlines()[0]}") from None
 

@@ -34,7 +34,6 @@ class ResourceConfig:
 
     num_cpus_per_worker: float = 0.5
     num_gpus_per_worker: float = 0.0
-    colocate_with: str | None = None  # name of a role whose placement group this role shares
     # CPU: torch intra-op threads per rank (None: Ray's default, one per whole CPU reserved). Phases of an RL
     # step run one after another, so a colocated role may use more threads than the CPUs it reserves.
     num_threads: int | None = None
@@ -112,26 +111,48 @@ class DataConfig:
 
 @dataclass
 class RewardConfig:
-    fn: str | None = "exact_match"  # a name in algorithms.rewards or "module:function"
+    fn: str | None = "exact_match"  # a name in algorithms.list_rewards() or "module:function"
     model_path: str | None = None  # a reward-model group instead of a function
 
 
 @dataclass
 class AlgorithmConfig:
+    """The training algorithm and its RL math (``algorithms/``).
+
+    The names the choice fields accept come from the registries in ``algorithms``; any other name is
+    rejected with the list:
+
+    - ``adv_estimator``: ``algorithms.list_advantage_estimators()``: gae, grpo, rloo,
+      reinforce_plus_plus, reinforce_plus_plus_baseline, and any added with
+      ``register_advantage_estimator``. The grouped ones give a group of equal scores exactly 0.
+    - ``kl_kind``: ``algorithms.KL_KINDS``: k1, k2, k3, abs and their straight-through ``+`` forms
+      (``k3+``: the value of k3, the gradient of k2). verl's names are accepted as aliases with the
+      same meaning (``algorithms.KL_ALIASES``): kl = k1, mse = k2, low_var_kl = k3, also with ``+``
+      (verl's abs is ours). verl's ``full`` is not supported.
+    - ``loss_agg_mode``: ``algorithms.AGG_MODES``, verl's ``loss_agg_mode`` names with verl's meaning:
+      token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm.
+    - ``kl_ctrl``: ``algorithms.KL_CONTROLLERS``: fixed, adaptive.
+
+    Dual clip is off by default (``clip_c: null``), unlike verl, which applies it with c = 3
+    (``clip_ratio_c``); set ``clip_c: 3.0`` to match a verl run. verl's ``clip_ratio_low`` /
+    ``clip_ratio_high`` are ``clip_low`` / ``clip_high`` and ``norm_adv_by_std_in_grpo`` is
+    ``norm_by_std``.
+    """
+
     name: str = "grpo"  # grpo | ppo | sft | pretrain
     adv_estimator: str = "grpo"
-    norm_by_std: bool = True
+    norm_by_std: bool = True  # grpo: divide by the group std (false: Dr. GRPO)
     gamma: float = 1.0
     lam: float = 1.0
     kl_kind: str = "k3"
     kl_coef: float = 0.0
     kl_in_reward: bool = False  # False: KL as a loss term
-    kl_ctrl: str = "fixed"  # fixed | adaptive
+    kl_ctrl: str = "fixed"
     kl_target: float = 0.1
     kl_horizon: int = 10000
     clip_low: float = 0.2
     clip_high: float = 0.2
-    clip_c: float | None = None  # dual clip
+    clip_c: float | None = None  # dual clip constant (> 1); null: off (verl's default is 3)
     value_clip: float = 0.2
     entropy_coef: float = 0.0
     loss_agg_mode: str = "token-mean"
@@ -151,7 +172,6 @@ class TrainerConfig:
     seed: int = 0
     save_every: int = 0  # 0: only at the end
     val_every: int = 0  # 0: only at the start and the end
-    log_every: int = 1
     resume: str = "never"  # never | auto
     export_hf: bool = True
     timeout_s: float = 300.0  # every remote call

@@ -375,3 +375,48 @@ def test_register_custom_estimator(monkeypatch):
     assert torch.all(adv == 2.0 * m)
     with pytest.raises(ValueError, match="already registered"):
         register_advantage_estimator("constant")(constant)
+
+
+# ------------------------------------------------------------------------------------- equal scores
+
+GROUPED = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+
+
+@pytest.mark.parametrize("name", GROUPED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("value", [2.2, 0.1, -7.3, 1e-3])
+def test_group_of_equal_scores_gets_exactly_zero(name, dtype, value):
+    """16 samples that all scored 2.2: float32 statistics left a std of ~1e-7 and advantages of ~0.19."""
+    r = torch.zeros(16, 4, dtype=dtype)
+    r[:, -1] = value
+    m = torch.ones(16, 4, dtype=torch.long)
+    m[::3, 2:] = 0  # the score sits on different tokens of different rows
+    r[::3, 1] = value
+    adv, ret = compute_advantages(name, token_level_rewards=r, response_mask=m, group_ids=[0] * 16)
+    assert torch.count_nonzero(adv) == 0 and torch.count_nonzero(ret) == 0
+
+
+@pytest.mark.parametrize("norm_by_std", [True, False])
+def test_equal_group_is_zero_next_to_a_varied_group(norm_by_std):
+    """Only the all-equal group is zeroed; the other group keeps the reference advantage."""
+    scores = [2.2] * 8 + [0.3, 1.7, 2.2, 0.0, 1.0, 0.5, 2.9, 0.3]
+    r = torch.tensor(scores, dtype=torch.float32).unsqueeze(-1)
+    m = torch.ones_like(r, dtype=torch.long)
+    ids = [0] * 8 + [1] * 8
+    adv, _ = compute_advantages(
+        "grpo", token_level_rewards=r, response_mask=m, group_ids=ids, norm_by_std=norm_by_std
+    )
+    assert torch.count_nonzero(adv[:8]) == 0
+    expected = grpo_ref(tl(r.double()), tl(m), ids, norm_by_std)[8:]
+    assert_close(adv[8:], expected, atol=1e-6, rtol=1e-6)
+    adv, _ = compute_advantages("rloo", token_level_rewards=r, response_mask=m, group_ids=ids)
+    assert torch.count_nonzero(adv[:8]) == 0
+    assert_close(adv[8:], rloo_ref(tl(r.double()), tl(m), ids)[8:], atol=1e-6, rtol=1e-6)
+
+
+def test_group_statistics_are_float64():
+    """A spread far below float32's resolution at 1e4 still gives the exact float64 advantage."""
+    r = torch.tensor([[1e4], [1e4 + 1e-3]], dtype=torch.float64)
+    m = torch.ones(2, 1)
+    adv, _ = compute_advantages("grpo", token_level_rewards=r, response_mask=m, group_ids=[0, 0], eps=0.0)
+    torch.testing.assert_close(adv, torch.tensor([[-1.0], [1.0]], dtype=torch.float64) / math.sqrt(2))

@@ -12,6 +12,8 @@ from algorithms.losses import lm_loss, policy_loss, value_loss
 
 
 def agg_ref(loss, mask, mode, normalizer=None, horizon=None):
+    if mode == "token-sum":  # no normaliser, whatever was passed
+        return sum(x for row, mr in zip(loss, mask) for x, m in zip(row, mr) if m)
     if mode == "token-mean":
         total = sum(x for row, mr in zip(loss, mask) for x, m in zip(row, mr) if m)
         n = sum(sum(mr) for mr in mask)
@@ -74,7 +76,8 @@ def test_agg_loss_gradcheck():
 def test_global_normalizer_counts():
     m = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0], [1, 1, 1]])
     assert global_normalizer(m, "token-mean").item() == 6
-    for mode in AGG_MODES[1:]:
+    assert global_normalizer(m, "token-sum").item() == 1
+    for mode in [md for md in AGG_MODES if md.startswith("seq-mean")]:
         assert global_normalizer(m, mode).item() == 3  # the all-padding row is not a sequence
     # a list of micro-batch masks, possibly trimmed to different lengths, gives the same count
     parts = [m[:2, :2], m[2:, :]]
@@ -175,3 +178,21 @@ def test_without_normaliser_micro_means_are_not_the_global_mean():
     right = agg_loss(x[:1], m[:1], normalizer=norm) + agg_loss(x[1:], m[1:], normalizer=norm)
     assert full.item() == pytest.approx(7 / 4) and naive.item() == pytest.approx(5 / 2)
     assert right.item() == pytest.approx(full.item())
+
+
+def test_token_sum_is_verl_token_sum_and_ignores_the_normaliser():
+    """verl's token-sum: ``(loss_mat * mask).sum()``; an all-reduced N (here DP=4) must not change it."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 6, generator=gen, dtype=torch.float64)
+    m = ragged_mask(5, 6, gen)
+    expected = (x * m).sum()
+    torch.testing.assert_close(agg_loss(x, m, "token-sum"), expected)
+    dp_summed = global_normalizer(m, "token-sum") * 4
+    parts = [agg_loss(x[i : i + 2], m[i : i + 2], "token-sum", normalizer=dp_summed) for i in range(0, 5, 2)]
+    torch.testing.assert_close(sum(parts), expected)
+    # unlike token-mean, the loss grows with the number of tokens
+    doubled = agg_loss(torch.cat([x, x]), torch.cat([m, m]), "token-sum")
+    torch.testing.assert_close(doubled, 2 * expected)
+    assert agg_loss(torch.cat([x, x]), torch.cat([m, m]), "token-mean").item() == pytest.approx(
+        agg_loss(x, m, "token-mean").item()
+    )

@@ -10,10 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from algorithms.kl import (
+    KL_ALIASES,
     KL_KINDS,
     AdaptiveKLController,
     FixedKLController,
     apply_kl_penalty,
+    canonical_kl_kind,
     kl_estimate,
     make_kl_controller,
 )
@@ -21,7 +23,7 @@ from algorithms.kl import (
 
 def kl_ref(lp: float, ref: float, kind: str) -> float:
     d = lp - ref
-    if kind == "k1":
+    if kind in ("k1", "kl"):
         return d
     if kind in ("k2", "mse"):
         return 0.5 * d * d
@@ -36,7 +38,9 @@ def loop_apply(fn, *tensors):
     return [[fn(*vals) for vals in zip(*row)] for row in rows]
 
 
-@pytest.mark.parametrize("kind", ["k1", "k2", "k3", "abs", "low_var_kl", "mse", "k3+", "low_var_kl+", "k1+"])
+@pytest.mark.parametrize(
+    "kind", ["k1", "k2", "k3", "abs", "low_var_kl", "mse", "kl", "k3+", "low_var_kl+", "k1+", "kl+"]
+)
 @pytest.mark.parametrize("shape", [(1, 1), (3, 5), (4, 17)])
 def test_kl_estimate_matches_loop(kind, shape):
     gen = torch.Generator().manual_seed(sum(shape))
@@ -112,6 +116,34 @@ def test_unknown_kind():
     for kind in ("k1", "k2", "k3", "abs", "k3+", "low_var_kl"):
         assert kind in str(info.value)
     assert "k3+" in KL_KINDS
+    with pytest.raises(ValueError, match="full-vocabulary"):
+        kl_estimate(torch.zeros(1), torch.zeros(1), "full")
+
+
+# verl's kl_penalty names and the values verl computes for them (core_algos.kl_penalty_forward)
+VERL_NAMES = {"kl": "k1", "abs": "abs", "mse": "k2", "low_var_kl": "k3"}
+
+
+@pytest.mark.parametrize("verl_name", sorted(VERL_NAMES))
+@pytest.mark.parametrize("plus", ["", "+"])
+def test_verl_names_are_accepted_with_the_same_meaning(verl_name, plus):
+    ours = VERL_NAMES[verl_name] + plus
+    assert verl_name + plus in KL_KINDS
+    assert canonical_kl_kind(verl_name + plus) == ours
+    gen = torch.Generator().manual_seed(3)
+    lp = (-torch.rand(4, 6, generator=gen, dtype=torch.float64) * 4).requires_grad_(True)
+    ref = -torch.rand(4, 6, generator=gen, dtype=torch.float64) * 4
+    a, b = kl_estimate(lp, ref, verl_name + plus), kl_estimate(lp, ref, ours)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    (ga,) = torch.autograd.grad(a.sum(), lp)
+    (gb,) = torch.autograd.grad(b.sum(), lp)
+    torch.testing.assert_close(ga, gb, rtol=0, atol=0)
+
+
+def test_every_kind_is_a_base_kind_an_alias_or_their_plus_form():
+    bases = {canonical_kl_kind(k).rstrip("+") for k in KL_KINDS}
+    assert bases == {"k1", "k2", "k3", "abs"}
+    assert set(KL_ALIASES) <= set(KL_KINDS) and {k + "+" for k in KL_ALIASES} <= set(KL_KINDS)
 
 
 # ------------------------------------------------------------------------------------------ controllers

@@ -28,6 +28,8 @@ CLIPS = [(0.2, 0.2, None), (0.2, 0.28, None), (0.1, 0.3, 3.0)]
 
 
 def agg_ref(loss, mask, mode, normalizer=None, horizon=None):
+    if mode == "token-sum":  # no normaliser, whatever was passed
+        return sum(x for row, mr in zip(loss, mask) for x, m in zip(row, mr) if m)
     if mode == "token-mean":
         total = sum(x for row, mr in zip(loss, mask) for x, m in zip(row, mr) if m)
         n = sum(sum(mr) for mr in mask)

@@ -39,6 +39,7 @@ test-quick: install
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 # The bench extra (TRL, for bench/grpo_vs_trl.py) is installed once, beside the pinned CPU torch.
 $(BENCH_STAMP): $(STAMP)

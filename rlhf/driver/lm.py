@@ -18,12 +18,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from rlhf.config import RunConfig, save_config
+from rlhf.config import RunConfig
 from rlhf.driver.checkpoints import CheckpointManager, rng_state, set_rng_state
 from rlhf.driver.lm_data import LMData, build_lm_data, check_lm_inputs, tokenizer_path
-from rlhf.driver.metrics import MetricsLogger, wandb_args
-from rlhf.driver.ray_env import init_ray
-from rlhf.driver.report import write_report
+from rlhf.driver.metrics import MetricsLogger
+from rlhf.driver.scaffold import RunScaffold
 from rlhf.errors import UserError
 
 ROLE = "policy"
@@ -87,12 +86,11 @@ def _check_schedule(saved: dict[str, Any] | None, cfg: RunConfig, where: Path) -
 
 
 class LMRun:
-    """One pretraining / SFT run: data, worker group, metrics and checkpoints."""
+    """One pretraining / SFT run: data, worker group, metrics and checkpoints, inside a `RunScaffold`."""
 
-    def __init__(self, cfg: RunConfig, data: LMData, group: Any, out: Path) -> None:
-        self.cfg, self.data, self.group, self.out = cfg, data, group, out
+    def __init__(self, cfg: RunConfig, data: LMData, group: Any, frame: RunScaffold) -> None:
+        self.cfg, self.data, self.group, self.frame = cfg, data, group, frame
         self.gbs = global_batch_size(cfg)
-        self.ckpt = CheckpointManager(out)
         self.step = 0
         self.consecutive_nonfinite = 0
         self.skipped_total = 0
@@ -101,11 +99,11 @@ class LMRun:
     def restore(self) -> None:
         """Resume from the latest checkpoint (trainer.resume=auto), else start from trainer.load."""
         t = self.cfg.trainer
-        latest = self.ckpt.latest() if t.resume == "auto" else None
+        latest = self.frame.resume_point()
         if latest is not None:
-            state = self.ckpt.driver_state(latest)
+            state = CheckpointManager.driver_state(latest)
             _check_schedule(state.get("schedule"), self.cfg, latest)
-            self.group.load_checkpoint(str(latest / ROLE), load_optim=True, load_rng=True)
+            self.group.load_checkpoint(str(latest / ROLE), load_optimizer=True, load_rng=True)
             self.data.order.load_state_dict(state["data"])
             set_rng_state(state["rng"])
             self.step = int(state["step"])
@@ -118,14 +116,14 @@ class LMRun:
                 step_dir = path.parent
                 if (step_dir / "driver_state.json").is_file():
                     _check_schedule(CheckpointManager.driver_state(step_dir).get("schedule"), self.cfg, step_dir)
-            self.group.load_checkpoint(str(path), load_optim=not t.no_load_optim, load_rng=not t.no_load_rng)
+            self.group.load_checkpoint(str(path), load_optimizer=not t.no_load_optim, load_rng=not t.no_load_rng)
             print(f"loaded {path} (optimizer: {not t.no_load_optim}, rng: {not t.no_load_rng})", flush=True)
 
     def save(self) -> Path:
         state = {"data": self.data.order.state_dict(), "rng": rng_state(), "schedule": schedule_of(self.cfg),
                  "consecutive_nonfinite": self.consecutive_nonfinite, "skipped_total": self.skipped_total,
                  "algorithm": self.cfg.algorithm.name, "global_batch_size": self.gbs}
-        return self.ckpt.save(self.step, state, lambda tmp: self.group.save_checkpoint(str(tmp / ROLE)))
+        return self.frame.ckpt.save(self.step, state, lambda tmp: self.group.save_checkpoint(str(tmp / ROLE)))
 
     # ---- steps --------------------------------------------------------------------------------
     def validate(self) -> dict[str, float]:
@@ -153,14 +151,6 @@ class LMRun:
             "time/train": time.perf_counter() - t1,
         }
 
-    def val_due(self, step: int) -> bool:
-        t = self.cfg.trainer
-        return step == t.total_steps or bool(t.val_every and step % t.val_every == 0)
-
-    def save_due(self, step: int) -> bool:
-        t = self.cfg.trainer
-        return step == t.total_steps or bool(t.save_every and step % t.save_every == 0)
-
     def run(self, logger: MetricsLogger) -> dict[str, float]:
         t = self.cfg.trainer
         limit = self.cfg.policy.optim.max_consecutive_nonfinite
@@ -181,11 +171,11 @@ class LMRun:
                     f"stopped at step {self.step}: {self.consecutive_nonfinite} optimizer steps in a row had a "
                     f"NaN/Inf gradient norm (policy.optim.max_consecutive_nonfinite={limit}); lower "
                     f"policy.optim.lr or check the data, then resume from the last checkpoint")
-            if self.val_due(self.step):
+            if self.frame.due(self.step, t.val_every):
                 metrics.update(self.validate())
             logger.log(self.step, metrics)
             last = metrics
-            if self.save_due(self.step):
+            if self.frame.due(self.step, t.save_every):
                 self.save()
         return last
 
@@ -201,28 +191,11 @@ def run_lm(cfg: RunConfig) -> dict[str, float]:
     data = build_lm_data(cfg, global_batch_size(cfg), str(out))
     if cfg.trainer.load:
         resolve_checkpoint(cfg.trainer.load)  # fail before the workers start
-    save_config(cfg, out / "config.yaml")
-    tracking = wandb_args(cfg)  # fails here, before Ray, if trainer.wandb is set and wandb is missing
-    own_ray = init_ray(cfg.trainer)
-    group, logger, last = None, None, {}
-    try:
-        group = make_group(cfg, out)
-        run = LMRun(cfg, data, group, out)
+    with RunScaffold(cfg) as frame:
+        group = frame.own(make_group(cfg, out))
+        run = LMRun(cfg, data, group, frame)
         run.restore()
-        logger = MetricsLogger(out, cfg.trainer.total_steps, tensorboard=cfg.trainer.tensorboard,
-                               progress_bar=cfg.trainer.progress_bar, start_step=run.step, prefix=cfg.algorithm.name,
-                               wandb=tracking)
-        last = run.run(logger)
+        last = run.run(frame.metrics_logger(run.step))
         if cfg.trainer.export_hf:
-            group.export_hf(str(out / "hf"), tokenizer_path(cfg))
-    finally:
-        if logger is not None:
-            logger.close()
-        if group is not None:
-            group.shutdown()
-        if own_ray:
-            import ray
-
-            ray.shutdown()
-    print(write_report(out, title=f"{cfg.algorithm.name} {out.name}"), flush=True)
+            group.save_hf_weights(str(out / "hf"), tokenizer_path(cfg))
     return last

@@ -13,12 +13,11 @@ from typing import Any
 import torch
 
 from algorithms import make_kl_controller
-from rlhf.config import RunConfig, save_config
-from rlhf.driver.checkpoints import CheckpointManager, rng_state, set_rng_state
+from rlhf.config import RunConfig
+from rlhf.driver.checkpoints import rng_state, set_rng_state
 from rlhf.driver.context import StepContext, accuracy
-from rlhf.driver.metrics import MetricsLogger, PhaseTimer, wandb_args
-from rlhf.driver.ray_env import init_ray
-from rlhf.driver.report import write_report
+from rlhf.driver.metrics import PhaseTimer
+from rlhf.driver.scaffold import RunScaffold
 from rlhf.workflow import Roles
 
 StepFn = Callable[[Roles, StepContext], dict[str, float]]
@@ -49,27 +48,19 @@ def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
     from rlhf.data.prompts import PromptLoader, load_prompt_dataset
 
     step_fn = step_fn or default_step_fn(cfg)
-    out = Path(cfg.trainer.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out / "config.yaml")
-    tracking = wandb_args(cfg)  # fails here, before Ray, if trainer.wandb is set and wandb is missing
-    d = cfg.data
+    t, d, a = cfg.trainer, cfg.data, cfg.algorithm
     train, val = load_prompt_dataset(d.train_file, d.val_file, val_size=d.val_size, prompt_key=d.prompt_key,
                                      messages_key=d.messages_key, answer_key=d.answer_key, seed=d.seed)
     loader = PromptLoader(train, d.prompts_per_step, seed=d.seed)
-    a = cfg.algorithm
     kl_ctrl = make_kl_controller(a.kl_ctrl, a.kl_coef, target=a.kl_target, horizon=a.kl_horizon)
-    ckpt = CheckpointManager(out)
-    torch.manual_seed(cfg.trainer.seed)
-    own_ray = init_ray(cfg.trainer)
-    roles = Roles.create(cfg, out)
-    logger = None
     last: dict[str, float] = {}
-    try:
+    with RunScaffold(cfg) as run:
+        torch.manual_seed(t.seed)
+        roles = run.own(Roles.create(cfg, run.out))
         start = 0
-        resume_from = ckpt.latest() if cfg.trainer.resume == "auto" else None
+        resume_from = run.resume_point()
         if resume_from is not None:
-            state = ckpt.driver_state(resume_from)
+            state = run.ckpt.driver_state(resume_from)
             roles.policy.load(resume_from / "policy")
             if roles.critic is not None:
                 roles.critic.load(resume_from / "critic")
@@ -79,22 +70,16 @@ def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
             start = state["step"]
             print(f"resumed from {resume_from} at step {start}", flush=True)
         roles.rollout.sync_weights(roles.policy, verify=cfg.rollout.verify_first_sync)
-        logger = MetricsLogger(out, cfg.trainer.total_steps, tensorboard=cfg.trainer.tensorboard,
-                               progress_bar=cfg.trainer.progress_bar, start_step=start, prefix=a.name,
-                               wandb=tracking)
+        logger = run.metrics_logger(start)
         if val and start == 0:
             logger.log(0, validate(roles, val))
 
-        def save(step: int) -> None:
-            def write_roles(tmp: Path) -> None:
-                roles.policy.save(tmp / "policy")
-                if roles.critic is not None:
-                    roles.critic.save(tmp / "critic")
+        def write_roles(tmp: Path) -> None:
+            roles.policy.save(tmp / "policy")
+            if roles.critic is not None:
+                roles.critic.save(tmp / "critic")
 
-            state = {"loader": loader.state_dict(), "kl_ctrl": kl_ctrl.state_dict(), "rng": rng_state()}
-            ckpt.save(step, state, write_roles)
-
-        for step in range(start + 1, cfg.trainer.total_steps + 1):
+        for step in range(start + 1, t.total_steps + 1):
             t0 = time.perf_counter()
             ctx = StepContext(cfg, step, loader.next_batch(), kl_ctrl, loader.next_batch, PhaseTimer())
             metrics = step_fn(roles, ctx)
@@ -104,21 +89,13 @@ def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
             metrics.update(ctx.timer.pop())
             metrics["step_time_s"] = time.perf_counter() - t0
             metrics["tokens_per_s"] = metrics.get("response_tokens", 0.0) / metrics["step_time_s"]
-            if val and (step == cfg.trainer.total_steps or (cfg.trainer.val_every and step % cfg.trainer.val_every == 0)):
+            if val and run.due(step, t.val_every):
                 metrics.update(validate(roles, val))
             logger.log(step, metrics)
             last = metrics
-            if step == cfg.trainer.total_steps or (cfg.trainer.save_every and step % cfg.trainer.save_every == 0):
-                save(step)
-        if cfg.trainer.export_hf:
-            roles.policy.export_hf(out / "hf", cfg.model.tokenizer_path or cfg.model.path)
-    finally:
-        if logger is not None:
-            logger.close()
-        roles.shutdown()
-        if own_ray:
-            import ray
-
-            ray.shutdown()
-    print(write_report(out, title=f"{a.name} {out.name}"), flush=True)
+            if run.due(step, t.save_every):
+                state = {"loader": loader.state_dict(), "kl_ctrl": kl_ctrl.state_dict(), "rng": rng_state()}
+                run.ckpt.save(step, state, write_roles)
+        if t.export_hf:
+            roles.policy.export_hf(run.out / "hf", cfg.model.tokenizer_path or cfg.model.path)
     return last

@@ -1,0 +1,87 @@
+"""`RunScaffold`: the frame every training stage runs in.
+
+    with RunScaffold(cfg) as run:              # output dir, config.yaml, wandb check, Ray
+        group = run.own(make_group(...))        # shut down when the block ends, however it ends
+        logger = run.metrics_logger(start_step)
+        ...
+    # on success: report.png and summary.txt, and the summary printed
+
+Entering saves the resolved config and checks the trackers before Ray starts (a missing wandb fails
+before any worker exists); leaving closes the metric sinks, shuts down what `own` registered (last
+first) and Ray when this run started it. The report is written only when the block ended normally.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Protocol, TypeVar
+
+from rlhf.config import RunConfig, save_config
+from rlhf.driver.checkpoints import CheckpointManager
+from rlhf.driver.metrics import MetricsLogger, wandb_args
+from rlhf.driver.ray_env import init_ray
+from rlhf.driver.report import write_report
+
+
+class _Stoppable(Protocol):
+    def shutdown(self) -> Any: ...
+
+
+S = TypeVar("S", bound=_Stoppable)
+
+
+class RunScaffold:
+    """Output dir, saved config, metric sinks, Ray, teardown and report of one run (see module docstring)."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.out = Path(cfg.trainer.output_dir)
+        self.ckpt = CheckpointManager(self.out)
+        self.logger: MetricsLogger | None = None
+        self._parts: list[_Stoppable] = []
+        self._tracking: dict[str, Any] | None = None
+        self._own_ray = False
+
+    def __enter__(self) -> RunScaffold:
+        self.out.mkdir(parents=True, exist_ok=True)
+        save_config(self.cfg, self.out / "config.yaml")
+        self._tracking = wandb_args(self.cfg)  # raises here, before Ray, if trainer.wandb is set without wandb
+        self._own_ray = init_ray(self.cfg.trainer)
+        return self
+
+    def own(self, part: S) -> S:
+        """Register `part` (a worker group or role handles) to be shut down when the run ends."""
+        self._parts.append(part)
+        return part
+
+    def resume_point(self) -> Path | None:
+        """The checkpoint to continue from: the latest one with trainer.resume=auto, else None."""
+        return self.ckpt.latest() if self.cfg.trainer.resume == "auto" else None
+
+    def metrics_logger(self, start_step: int) -> MetricsLogger:
+        """The run's metric sinks (metrics.jsonl, TensorBoard, Ray gauges, progress bar, wandb)."""
+        t = self.cfg.trainer
+        self.logger = MetricsLogger(self.out, t.total_steps, tensorboard=t.tensorboard, progress_bar=t.progress_bar,
+                                    start_step=start_step, prefix=self.cfg.algorithm.name, wandb=self._tracking)
+        return self.logger
+
+    def due(self, step: int, every: int) -> bool:
+        """Whether a periodic action (validation, checkpoint) runs after `step`: every `every` steps and
+        after the last step."""
+        return step == self.cfg.trainer.total_steps or bool(every and step % every == 0)
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            if self.logger is not None:
+                self.logger.close()
+            for part in reversed(self._parts):
+                part.shutdown()
+        finally:
+            if self._own_ray:
+                import ray
+
+                ray.shutdown()
+        if exc_type is None:
+            print(write_report(self.out, title=f"{self.cfg.algorithm.name} {self.out.name}"), flush=True)

@@ -23,46 +23,6 @@ from workers.group.worker import Worker
 from workers.megatron.engine import MegatronEngine
 
 
-class Metrics:
-    """Per-micro-batch metrics, reduced over the DP group on the last PP stage: `add_sum` values are
-    summed (e.g. loss parts already divided by the global normaliser, token counts), `add_mean` values
-    are weighted means (e.g. clipfrac weighted by tokens)."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
-        self.wsums: dict[str, float] = {}
-        self.weights: dict[str, float] = {}
-
-    @staticmethod
-    def _f(v: Any) -> float:
-        return float(v.detach()) if isinstance(v, torch.Tensor) else float(v)
-
-    def add_sum(self, values: dict[str, Any]) -> None:
-        for k, v in values.items():
-            self.sums[k] = self.sums.get(k, 0.0) + self._f(v)
-
-    def add_mean(self, values: dict[str, Any], weight: float = 1.0) -> None:
-        for k, v in values.items():
-            self.wsums[k] = self.wsums.get(k, 0.0) + self._f(v) * weight
-            self.weights[k] = self.weights.get(k, 0.0) + weight
-
-    def reduce(self, group: Any, active: bool) -> dict[str, float]:
-        """Collective over `group` when `active` (call it on the last PP stage only); {} otherwise."""
-        if not active:
-            return {}
-        sk, mk = sorted(self.sums), sorted(self.wsums)
-        t = torch.tensor([self.sums[k] for k in sk] + [self.wsums[k] for k in mk] + [self.weights[k] for k in mk],
-                         dtype=torch.float64)
-        if t.numel() and torch.distributed.get_world_size(group) > 1:
-            torch.distributed.all_reduce(t, group=group)
-        out = {k: t[i].item() for i, k in enumerate(sk)}
-        n, m = len(sk), len(mk)
-        for i, k in enumerate(mk):
-            w = t[n + m + i].item()
-            out[k] = t[n + i].item() / w if w > 0 else 0.0
-        return out
-
-
 class MegatronWorker(Worker):
     """Base of the Megatron roles: sets up megatron parallel state and builds `self.engine`."""
 

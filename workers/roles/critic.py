@@ -17,22 +17,17 @@ from algorithms import global_normalizer, value_loss
 from workers.batch import Batch
 from workers.dispatch import DP_COMPUTE, register, split_by_minibatch
 from workers.megatron.engine import Micro
-from workers.roles.base import MegatronWorker, Metrics
+from workers.roles.base import MegatronWorker
 from workers.roles.micro import join_outputs, pad_right, response_micros, response_slice
-from workers.roles.policy import _from_any, _mean_steps
+from workers.roles.optimize import Metrics, MicroLoss, UpdateConfig, optimize
 
 
 @dataclass
-class ValueLossConfig:
+class ValueLossConfig(UpdateConfig):
+    """What `train_step` needs besides the batch (a dict with these keys is accepted)."""
+
     value_clip: float | None = 0.2
     agg_mode: str = "token-mean"
-    ppo_epochs: int = 1
-    mini_batches: int = 1
-    micro_batch_size: int | None = None
-
-    @classmethod
-    def from_any(cls, value: Any) -> ValueLossConfig:
-        return _from_any(cls, value)
 
 
 class CriticWorker(MegatronWorker):
@@ -70,31 +65,24 @@ class CriticWorker(MegatronWorker):
         eng = self.engine
         t0 = time.monotonic()
         keys = ["responses", "response_mask", "values", "returns"]
-        per_step = []
-        for _ in range(max(1, cfg.ppo_epochs)):
-            for mini in batch.split(max(1, cfg.mini_batches)):
-                norm = self.dp_all_reduce(global_normalizer(mini["response_mask"], cfg.agg_mode))
-                micros = response_micros(mini, cfg.micro_batch_size or self.micro_batch_size, keys, eng.device,
-                                         pack=self.pack_sequences)
-                scale = len(micros) * eng.dp_size()
-                acc = Metrics()
 
-                def loss_fn(mb: Micro, out: torch.Tensor, norm=norm, scale=scale, acc=acc):
-                    sl, r_eff = response_slice(mb, out)
-                    f = {k: v[:, :r_eff] for k, v in mb.fields.items() if not k.startswith("_")}
-                    mask = f["response_mask"].to(torch.float32)
-                    loss, m = value_loss(sl[..., 0].float(), f["values"].float(), f["returns"].float(), mask,
-                                         cfg.value_clip, cfg.agg_mode, normalizer=norm)
-                    acc.add_sum({"vf_loss": loss.detach(), "tokens": float(mask.sum())})
-                    acc.add_mean(m, weight=float(mask.sum()))
-                    return loss * scale, {}
+        def prepare(mini: Batch) -> tuple[list[Micro], MicroLoss]:
+            norm = self.dp_all_reduce(global_normalizer(mini["response_mask"], cfg.agg_mode))
+            micros = response_micros(mini, cfg.micro_batch_size or self.micro_batch_size, keys, eng.device,
+                                     pack=self.pack_sequences)
 
-                eng.zero_grad()
-                eng.forward_backward(micros, loss_fn, forward_only=False)
-                step = eng.optimizer_step()
-                metrics = acc.reduce(eng.dp_group(), eng.is_last_stage)
-                metrics.update(step)
-                per_step.append(metrics)
-        out = _mean_steps(per_step)
+            def loss_fn(mb: Micro, out: torch.Tensor, acc: Metrics) -> torch.Tensor:
+                sl, r_eff = response_slice(mb, out)
+                f = {k: v[:, :r_eff] for k, v in mb.fields.items() if not k.startswith("_")}
+                mask = f["response_mask"].to(torch.float32)
+                loss, m = value_loss(sl[..., 0].float(), f["values"].float(), f["returns"].float(), mask,
+                                     cfg.value_clip, cfg.agg_mode, normalizer=norm)
+                acc.add_sum({"vf_loss": loss.detach(), "tokens": float(mask.sum())})
+                acc.add_mean(m, weight=float(mask.sum()))
+                return loss
+
+            return micros, loss_fn
+
+        out = optimize(self, batch, cfg, prepare)
         out["time_s"] = time.monotonic() - t0
         return out

@@ -8,7 +8,7 @@ Batch fields (see workers/batch.py conventions): `input_ids` [B, P+R], `attentio
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,16 +17,18 @@ from algorithms import agg_loss, global_normalizer, kl_estimate, policy_loss
 from workers.batch import Batch
 from workers.dispatch import DP_COMPUTE, ONE_TO_ALL, register, split_by_minibatch
 from workers.megatron.engine import Micro
-from workers.roles.base import MegatronWorker, Metrics
+from workers.roles.base import MegatronWorker
 from workers.roles.logits import vocab_parallel_logprobs
 from workers.roles.micro import join_outputs, make_micro, pad_right, response_micros, response_slice
+from workers.roles.optimize import Metrics, MicroLoss, UpdateConfig, optimize
 from workers.roles.weights import put_buckets
 from workers.rollout.policy_mixin import RolloutSyncMixin
 
 
 @dataclass
-class PPOLossConfig:
-    """What `train_step` needs besides the batch (a dict with these keys is accepted)."""
+class PPOLossConfig(UpdateConfig):
+    """What `train_step` needs besides the batch (a dict with these keys is accepted); `ppo_epochs`,
+    `mini_batches` (optimizer steps per epoch) and `micro_batch_size` come from `UpdateConfig`."""
 
     clip_low: float = 0.2
     clip_high: float = 0.2
@@ -35,27 +37,7 @@ class PPOLossConfig:
     entropy_coef: float = 0.0
     kl_coef: float = 0.0  # > 0 with `ref_logprobs` in the batch: KL as a loss term
     kl_kind: str = "k3"
-    ppo_epochs: int = 1
-    mini_batches: int = 1  # optimizer steps per epoch
-    micro_batch_size: int | None = None  # None: the worker's micro_batch_size
     temperature: float = 1.0  # the rollout's sampling temperature: logprobs of logits / temperature
-
-    @classmethod
-    def from_any(cls, value: Any) -> PPOLossConfig:
-        return _from_any(cls, value)
-
-
-def _from_any(cls: type, value: Any) -> Any:
-    if value is None:
-        return cls()
-    if isinstance(value, cls):
-        return value
-    value = dict(value)
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise ValueError(f"unknown {cls.__name__} keys {unknown}; known: {sorted(known)}")
-    return cls(**value)
 
 
 class LogprobMixin:
@@ -107,51 +89,43 @@ class PolicyWorker(RolloutSyncMixin, LogprobMixin, MegatronWorker):
         cfg = PPOLossConfig.from_any(loss_config)
         eng = self.engine
         t0, c0 = time.monotonic(), time.process_time()
-        minis = batch.split(max(1, cfg.mini_batches))
         keys = ["responses", "response_mask", "advantages", "old_logprobs", "ref_logprobs"]
         use_kl = cfg.kl_coef > 0 and "ref_logprobs" in batch
         need_entropy = cfg.entropy_coef != 0
-        per_step: list[dict[str, float]] = []
-        for _ in range(max(1, cfg.ppo_epochs)):
-            for mini in minis:
-                norm = self.dp_all_reduce(global_normalizer(mini["response_mask"], cfg.agg_mode))
-                micros = response_micros(mini, cfg.micro_batch_size or self.micro_batch_size, keys, eng.device,
-                                         pack=self.pack_sequences)
-                scale = len(micros) * eng.dp_size()
-                acc = Metrics()
 
-                def loss_fn(mb: Micro, logits: torch.Tensor, norm=norm, scale=scale, acc=acc):
-                    sl, r_eff = response_slice(mb, logits)
-                    f = {k: v[:, :r_eff] for k, v in mb.fields.items() if not k.startswith("_")}
-                    mask = f["response_mask"].to(torch.float32)
-                    logp, ent = vocab_parallel_logprobs(scale_logits(sl, cfg.temperature), f["responses"],
-                                                        eng.vocab_size, need_entropy)
-                    pg, m = policy_loss(logp, f["old_logprobs"].float(), f["advantages"].float(), mask,
-                                        cfg.clip_low, cfg.clip_high, cfg.clip_c, cfg.agg_mode, normalizer=norm)
-                    loss = pg
-                    parts = {"pg_loss": pg.detach()}
-                    if need_entropy:
-                        ent_loss = agg_loss(ent, mask, cfg.agg_mode, normalizer=norm)
-                        loss = loss - cfg.entropy_coef * ent_loss
-                        parts["entropy_loss"] = ent_loss.detach()
-                    if use_kl:
-                        kl = agg_loss(kl_estimate(logp, f["ref_logprobs"].float(), cfg.kl_kind), mask,
-                                      cfg.agg_mode, normalizer=norm)
-                        loss = loss + cfg.kl_coef * kl
-                        parts["kl_loss"] = kl.detach()
-                    parts["loss"] = loss.detach()
-                    n_tok = float(mask.sum())
-                    acc.add_sum({**parts, "tokens": n_tok})  # loss parts carry the global normaliser
-                    acc.add_mean(m, weight=n_tok)
-                    return loss * scale, {}
+        def prepare(mini: Batch) -> tuple[list[Micro], MicroLoss]:
+            norm = self.dp_all_reduce(global_normalizer(mini["response_mask"], cfg.agg_mode))
+            micros = response_micros(mini, cfg.micro_batch_size or self.micro_batch_size, keys, eng.device,
+                                     pack=self.pack_sequences)
 
-                eng.zero_grad()
-                eng.forward_backward(micros, loss_fn, forward_only=False)
-                step = eng.optimizer_step()
-                metrics = acc.reduce(eng.dp_group(), eng.is_last_stage)
-                metrics.update(step)
-                per_step.append(metrics)
-        out = _mean_steps(per_step)
+            def loss_fn(mb: Micro, logits: torch.Tensor, acc: Metrics) -> torch.Tensor:
+                sl, r_eff = response_slice(mb, logits)
+                f = {k: v[:, :r_eff] for k, v in mb.fields.items() if not k.startswith("_")}
+                mask = f["response_mask"].to(torch.float32)
+                logp, ent = vocab_parallel_logprobs(scale_logits(sl, cfg.temperature), f["responses"],
+                                                    eng.vocab_size, need_entropy)
+                pg, m = policy_loss(logp, f["old_logprobs"].float(), f["advantages"].float(), mask,
+                                    cfg.clip_low, cfg.clip_high, cfg.clip_c, cfg.agg_mode, normalizer=norm)
+                loss = pg
+                parts = {"pg_loss": pg.detach()}
+                if need_entropy:
+                    ent_loss = agg_loss(ent, mask, cfg.agg_mode, normalizer=norm)
+                    loss = loss - cfg.entropy_coef * ent_loss
+                    parts["entropy_loss"] = ent_loss.detach()
+                if use_kl:
+                    kl = agg_loss(kl_estimate(logp, f["ref_logprobs"].float(), cfg.kl_kind), mask,
+                                  cfg.agg_mode, normalizer=norm)
+                    loss = loss + cfg.kl_coef * kl
+                    parts["kl_loss"] = kl.detach()
+                parts["loss"] = loss.detach()
+                n_tok = float(mask.sum())
+                acc.add_sum({**parts, "tokens": n_tok})  # loss parts carry the global normaliser
+                acc.add_mean(m, weight=n_tok)
+                return loss
+
+            return micros, loss_fn
+
+        out = optimize(self, batch, cfg, prepare)
         out["time_s"] = time.monotonic() - t0
         out["cpu_s"] = time.process_time() - c0  # this rank's CPU time (all its threads)
         return out
@@ -218,16 +192,3 @@ def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probabilities, got {temperature}")
     return logits if temperature == 1.0 else logits / temperature
-
-
-def _mean_steps(per_step: list[dict[str, float]]) -> dict[str, float]:
-    if not per_step:
-        return {}
-    keys = sorted({k for s in per_step for k in s})
-    out = {k: sum(s.get(k, 0.0) for s in per_step) / len(per_step) for k in keys}
-    out["grad_norm_max"] = max(s.get("grad_norm", 0.0) for s in per_step)
-    out["skipped_steps"] = sum(s.get("skipped", 0.0) for s in per_step)
-    out["num_steps"] = float(len(per_step))
-    out["tokens"] = sum(s.get("tokens", 0.0) for s in per_step)
-    out.pop("skipped", None)
-    return out

@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from workers.batch import Batch
 from workers.dispatch import DP_COMPUTE, register
 from workers.megatron.engine import Micro
-from workers.roles.base import MegatronWorker, Metrics
+from workers.roles.base import MegatronWorker
 from workers.roles.micro import make_micro
+from workers.roles.optimize import Metrics, run_loss
 
 
 def last_token_index(attn: torch.Tensor) -> torch.Tensor:
@@ -85,7 +86,6 @@ class RewardModelWorker(MegatronWorker):
         """One optimizer step of Bradley-Terry loss on the pairs; returns bt_loss, accuracy, margin,
         grad_norm, lr, skipped. Chosen and rejected of a pair always share a micro-batch."""
         cfg = dict(loss_config or {})
-        eng = self.engine
         t0 = time.monotonic()
         n = len(batch)
         total = self.dp_all_reduce(torch.tensor(float(n)))
@@ -96,21 +96,16 @@ class RewardModelWorker(MegatronWorker):
             part = batch.index(slice(i, i + pairs_per_micro))
             ids, attn = _stack_pairs(part)
             micros += self._score_micros(ids, attn, ids.shape[0])
-        scale = len(micros) * eng.dp_size()
-        acc = Metrics()
 
-        def loss_fn(mb: Micro, out: torch.Tensor):
+        def loss_fn(mb: Micro, out: torch.Tensor, acc: Metrics) -> torch.Tensor:
             s = self._scores(mb, out)
             k = s.shape[0] // 2
             diff = s[:k] - s[k:]
             loss = -F.logsigmoid(diff).sum() / total
             acc.add_sum({"bt_loss": loss.detach()})
             acc.add_mean({"accuracy": (diff > 0).float().mean(), "margin": diff.detach().mean()}, weight=k)
-            return loss * scale, {}
+            return loss
 
-        eng.zero_grad()
-        eng.forward_backward(micros, loss_fn, forward_only=False)
-        out = acc.reduce(eng.dp_group(), eng.is_last_stage)
-        out.update(eng.optimizer_step())
+        out = run_loss(self, micros, loss_fn)
         out["time_s"] = time.monotonic() - t0
         return out

@@ -1,0 +1,128 @@
+"""The update loop of every trainable role: `optimize` (epochs x mini-batches of optimizer steps) over
+`run_loss` (one pass of a loss over micro-batches: zero_grad, forward/backward, step, metrics over DP).
+
+A loss here is `loss(micro, output, acc) -> tensor`: the micro-batch's share of the global loss (already
+divided by the global normaliser, so the result does not depend on the micro-batch count or the DP
+size), recording its metrics in `acc` (`Metrics`). `run_loss` undoes the schedule's division by the
+micro-batch count and DDP's average over DP, so the gradients are those of the global loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any, Self
+
+import torch
+
+from workers.batch import Batch
+from workers.megatron.engine import Micro
+from workers.roles.base import MegatronWorker
+
+
+class Metrics:
+    """Per-micro-batch metrics, reduced over the DP group on the last PP stage: `add_sum` values are
+    summed (e.g. loss parts already divided by the global normaliser, token counts), `add_mean` values
+    are weighted means (e.g. clipfrac weighted by tokens)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.wsums: dict[str, float] = {}
+        self.weights: dict[str, float] = {}
+
+    @staticmethod
+    def _f(v: Any) -> float:
+        return float(v.detach()) if isinstance(v, torch.Tensor) else float(v)
+
+    def add_sum(self, values: dict[str, Any]) -> None:
+        for k, v in values.items():
+            self.sums[k] = self.sums.get(k, 0.0) + self._f(v)
+
+    def add_mean(self, values: dict[str, Any], weight: float = 1.0) -> None:
+        for k, v in values.items():
+            self.wsums[k] = self.wsums.get(k, 0.0) + self._f(v) * weight
+            self.weights[k] = self.weights.get(k, 0.0) + weight
+
+    def reduce(self, group: Any, active: bool) -> dict[str, float]:
+        """Collective over `group` when `active` (call it on the last PP stage only); {} otherwise."""
+        if not active:
+            return {}
+        sk, mk = sorted(self.sums), sorted(self.wsums)
+        t = torch.tensor([self.sums[k] for k in sk] + [self.wsums[k] for k in mk] + [self.weights[k] for k in mk],
+                         dtype=torch.float64)
+        if t.numel() and torch.distributed.get_world_size(group) > 1:
+            torch.distributed.all_reduce(t, group=group)
+        out = {k: t[i].item() for i, k in enumerate(sk)}
+        n, m = len(sk), len(mk)
+        for i, k in enumerate(mk):
+            w = t[n + m + i].item()
+            out[k] = t[n + i].item() / w if w > 0 else 0.0
+        return out
+
+
+MicroLoss = Callable[[Micro, torch.Tensor, Metrics], torch.Tensor]
+
+
+@dataclass
+class UpdateConfig:
+    """How many optimizer steps an update takes: `ppo_epochs` passes over the batch, each in
+    `mini_batches` steps; `micro_batch_size` None means the worker's."""
+
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+    micro_batch_size: int | None = None
+
+    @classmethod
+    def from_any(cls, value: Any) -> Self:
+        """The config from an instance, a dict of its fields (unknown keys are an error) or None (defaults)."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        value = dict(value)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} keys {unknown}; known: {sorted(known)}")
+        return cls(**value)
+
+
+def run_loss(worker: MegatronWorker, micros: list[Micro], loss: MicroLoss, train: bool = True) -> dict[str, float]:
+    """`loss` over `micros`: forward only, or with `train` zero_grad, backward and one optimizer step.
+    Returns the metrics reduced over DP (on the last PP stage; {} elsewhere), with grad_norm, lr and
+    skipped when training."""
+    eng = worker.engine
+    scale = float(len(micros) * eng.dp_size())
+    acc = Metrics()
+
+    def loss_fn(mb: Micro, output: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        return loss(mb, output, acc) * scale, {}
+
+    if train:
+        eng.zero_grad()
+    with worker.onloaded():
+        eng.forward_backward(micros, loss_fn, forward_only=not train)
+    step = eng.optimizer_step() if train else {}
+    return {**acc.reduce(eng.dp_group(), eng.is_last_stage), **step}
+
+
+def optimize(worker: MegatronWorker, batch: Batch, cfg: UpdateConfig,
+             prepare: Callable[[Batch], tuple[list[Micro], MicroLoss]]) -> dict[str, float]:
+    """`cfg.ppo_epochs` x `cfg.mini_batches` optimizer steps; `prepare(mini_batch)` gives each step's
+    micro-batches and loss. Returns the steps' metrics averaged (`mean_steps`)."""
+    minis = batch.split(max(1, cfg.mini_batches))
+    return mean_steps([run_loss(worker, *prepare(mini)) for _ in range(max(1, cfg.ppo_epochs)) for mini in minis])
+
+
+def mean_steps(per_step: list[dict[str, float]]) -> dict[str, float]:
+    """Average of per-step metrics, plus grad_norm_max, skipped_steps, num_steps and the summed tokens."""
+    if not per_step:
+        return {}
+    keys = sorted({k for s in per_step for k in s})
+    out = {k: sum(s.get(k, 0.0) for s in per_step) / len(per_step) for k in keys}
+    out["grad_norm_max"] = max(s.get("grad_norm", 0.0) for s in per_step)
+    out["skipped_steps"] = sum(s.get("skipped", 0.0) for s in per_step)
+    out["num_steps"] = float(len(per_step))
+    out["tokens"] = sum(s.get("tokens", 0.0) for s in per_step)
+    out.pop("skipped", None)
+    return out

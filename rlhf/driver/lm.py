@@ -1,7 +1,7 @@
 """The pretraining and SFT runner: `run_lm(cfg)` for `algorithm.name: pretrain | sft`.
 
-The model lives in a policy worker group (`workers.roles.lm.LMWorker`, a PolicyWorker: the same group
-and Megatron engine as RL) at the configured TP / PP / DP. Each step feeds one global batch of
+The model lives in a policy worker group (`PolicyWorker`, whose LM steps are `workers.roles.lm.LMMixin`:
+the same group and Megatron engine as RL) at the configured TP / PP / DP. Each step feeds one global batch of
 `trainer.global_batch_size` sequences (= micro batch x gradient accumulation x DP); the workers run the
 pipeline schedule over the micro-batches and one optimizer step (distributed optimizer, warmup + cosine /
 linear / constant LR to min_lr, weight decay, clipping, NaN/Inf skip). The driver stops after
@@ -62,12 +62,12 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 def make_group(cfg: RunConfig, out: Path) -> Any:
     from workers.group import WorkerGroup
-    from workers.roles.lm import LMWorker
+    from workers.roles import PolicyWorker
 
     p = cfg.policy
     optim = {**asdict(p.optim), "total_steps": cfg.trainer.total_steps}
     return WorkerGroup(
-        role=ROLE, worker_cls=LMWorker, tp=p.parallel.tp, pp=p.parallel.pp, dp=p.parallel.dp,
+        role=ROLE, worker_cls=PolicyWorker, tp=p.parallel.tp, pp=p.parallel.pp, dp=p.parallel.dp,
         num_cpus_per_worker=p.resources.num_cpus_per_worker, num_gpus_per_worker=p.resources.num_gpus_per_worker,
         timeout_s=cfg.trainer.timeout_s, log_dir=out / "logs", seed=cfg.trainer.seed,
         init_kwargs={"model_path": p.model_path or cfg.model.path, "micro_batch_size": p.micro_batch_size,

@@ -1,4 +1,4 @@
-"""The Megatron SFT step is the plain PyTorch one: an LMWorker (real Ray, megatron-core, its optimizer and
+"""The Megatron SFT step is the plain PyTorch one: a PolicyWorker's LM step (real Ray, megatron-core, its optimizer and
 grad clipping) and HF transformers + torch AdamW, from the same weights on the same masked batch, give the
 same losses, grad norms and weights over several steps (fp32 on CPU)."""
 
@@ -9,8 +9,7 @@ import torch
 
 from workers.batch import Batch
 from workers.group import WorkerGroup
-from workers.roles import fetch_state_dict
-from workers.roles.lm import LMWorker
+from workers.roles import PolicyWorker, fetch_state_dict
 
 LR, STEPS = 1e-3, 3
 
@@ -39,7 +38,7 @@ def test_megatron_sft_steps_equal_hf_adamw(tiny_model_factory, tmp_path):
              "warmup_steps": 0, "lr_decay_style": "constant", "total_steps": 10}
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     try:
-        group = WorkerGroup(role="policy", worker_cls=LMWorker, tp=1, num_cpus_per_worker=1, timeout_s=300,
+        group = WorkerGroup(role="policy", worker_cls=PolicyWorker, tp=1, num_cpus_per_worker=1, timeout_s=300,
                             log_dir=tmp_path / "logs", init_kwargs={"model_path": path, "micro_batch_size": 4,
                                                                     "optim": optim})
         ours = [group.train_lm_step(batch) for _ in range(STEPS)]

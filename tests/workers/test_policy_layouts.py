@@ -17,6 +17,7 @@ import torch
 from tests.workers.conftest import hf_logprobs, make_rl_batch
 from workers.group import WorkerDiedError, WorkerGroup
 from workers.roles import PolicyWorker, fetch_state_dict
+from workers.roles.lm import lm_batch_from_rl
 
 LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "dp2": (1, 1, 2)}
 OPTIM = {"lr": 1e-4, "clip_grad": 1.0, "weight_decay": 0.0}  # Adam amplifies tiny grad noise by lr/eps
@@ -152,7 +153,7 @@ def test_nonfinite_step_is_skipped(env):
 def test_train_lm_step_lowers_loss(env):
     g = env["groups"]["tp2"]
     batch = make_rl_batch(n=8, seed=6)
-    lm = batch.select(["input_ids", "attention_mask"])
+    lm = lm_batch_from_rl(batch.select(["input_ids", "attention_mask"]))
     losses = [g.train_lm_step(lm)["loss"] for _ in range(4)]
     assert losses[-1] < losses[0]
 

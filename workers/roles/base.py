@@ -102,10 +102,12 @@ class MegatronWorker(Worker):
 
     @register(ONE_TO_ALL, collect="rank0")
     def load_checkpoint(self, path: str, load_optimizer: bool = True, load_rng: bool = True) -> dict[str, Any]:
-        """Load a `save_checkpoint` directory (any TP/PP/DP for the model; see
-        `MegatronEngine.load_checkpoint` for the optimizer and RNG); returns its metadata."""
+        """Load a `save_checkpoint` directory through `MegatronEngine.load_checkpoint`: the model at any
+        TP/PP/DP; the optimizer, scheduler and step count with `load_optimizer` (trainer.no_load_optim
+        turns it off); the RNG with `load_rng` (same TP/PP layout only). Returns the saved metadata."""
         meta = self.engine.load_checkpoint(path, load_optimizer=load_optimizer, load_rng=load_rng)
-        self._log(f"loaded checkpoint {path} (saved at {meta.get('layout')})")
+        self._log(f"loaded checkpoint {path} (saved at {meta.get('layout')}; "
+                  f"optimizer={load_optimizer} rng={load_rng})")
         return meta
 
     @register(ONE_TO_ALL, collect="rank0")

@@ -4,7 +4,7 @@ RL layout: `input_ids` [B, P+R] (prompt left-padded to P, response right-padded 
 `attention_mask`; the logits for response token j sit at column P-1+j. Each micro-batch is trimmed to
 the columns some row actually uses (all-padding columns on the left and right are dropped), which
 changes nothing for the real tokens: RoPE depends only on relative positions and padding keys are
-masked. LM layout (`train_lm_step`): `input_ids` [B, S] with `attention_mask` and `loss_mask`.
+masked. (The LM layout of `train_lm_step` is cut by `workers.roles.lm.lm_micros`.)
 
 Packing (`pack=True`): the real tokens of the batch's sequences are laid end
 to end, first-fit-decreasing into as few rows as possible (none longer than the longest sequence), with

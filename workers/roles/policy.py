@@ -18,8 +18,9 @@ from workers.batch import Batch
 from workers.dispatch import DP_COMPUTE, ONE_TO_ALL, register, split_by_minibatch
 from workers.megatron.engine import Micro
 from workers.roles.base import MegatronWorker
+from workers.roles.lm import LMMixin
 from workers.roles.logits import vocab_parallel_logprobs
-from workers.roles.micro import join_outputs, make_micro, pad_right, response_micros, response_slice
+from workers.roles.micro import join_outputs, pad_right, response_micros, response_slice
 from workers.roles.optimize import Metrics, MicroLoss, UpdateConfig, optimize
 from workers.roles.weights import put_buckets
 from workers.rollout.policy_mixin import RolloutSyncMixin
@@ -72,7 +73,7 @@ class LogprobMixin:
         return Batch(tensors)
 
 
-class PolicyWorker(RolloutSyncMixin, LogprobMixin, MegatronWorker):
+class PolicyWorker(RolloutSyncMixin, LogprobMixin, LMMixin, MegatronWorker):
     """The trainable policy (see module docstring)."""
 
     @register(DP_COMPUTE)
@@ -128,45 +129,6 @@ class PolicyWorker(RolloutSyncMixin, LogprobMixin, MegatronWorker):
         out = optimize(self, batch, cfg, prepare)
         out["time_s"] = time.monotonic() - t0
         out["cpu_s"] = time.process_time() - c0  # this rank's CPU time (all its threads)
-        return out
-
-    @register(DP_COMPUTE, pad=False)
-    def train_lm_step(self, batch: Batch, agg_mode: str = "token-mean", micro_batch_size: int | None = None
-                      ) -> dict[str, float]:
-        """One optimizer step of next-token cross-entropy on `input_ids` [B, S] (with `attention_mask` and
-        optional `loss_mask` [B, S]: 1 where the token at t is a target, e.g. assistant tokens in SFT).
-        Returns loss, tokens, grad_norm, lr, skipped."""
-        eng = self.engine
-        t0 = time.monotonic()
-        ids = batch["input_ids"]
-        attn = batch["attention_mask"] if "attention_mask" in batch else torch.ones_like(ids)
-        target_mask = (batch["loss_mask"] if "loss_mask" in batch else attn).clone().to(torch.float32)
-        target_mask[:, 0] = 0  # the first token has no prediction
-        target_mask = target_mask * attn
-        norm = self.dp_all_reduce(global_normalizer(target_mask[:, 1:], agg_mode))
-        mbs = micro_batch_size or self.micro_batch_size
-        micros = []
-        for i in range(0, len(batch), mbs):
-            sl = slice(i, i + mbs)
-            micros.append(make_micro(ids[sl], attn[sl], {"ids": ids[sl], "tmask": target_mask[sl]}, eng.device))
-        scale = len(micros) * eng.dp_size()
-        acc = Metrics()
-
-        def loss_fn(mb: Micro, logits: torch.Tensor):
-            s = logits.shape[1]
-            labels = mb.fields["ids"][:, mb.offset + 1: mb.offset + s]
-            mask = mb.fields["tmask"][:, mb.offset + 1: mb.offset + s]
-            logp, _ = vocab_parallel_logprobs(logits[:, : s - 1], labels, eng.vocab_size)
-            loss = agg_loss(-logp, mask, agg_mode, normalizer=norm)
-            acc.add_sum({"loss": loss.detach(), "tokens": float(mask.sum())})
-            return loss * scale, {}
-
-        eng.zero_grad()
-        eng.forward_backward(micros, loss_fn, forward_only=False)
-        step = eng.optimizer_step()
-        out = acc.reduce(eng.dp_group(), eng.is_last_stage)
-        out.update(step)
-        out["time_s"] = time.monotonic() - t0
         return out
 
     # ---- weights for the rollout engine -------------------------------------------------------

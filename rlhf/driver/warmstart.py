@@ -1,8 +1,9 @@
 """A small plain-PyTorch SFT loop on an HF model: the warm start of the RL examples.
 
-It trains on (prompt, answer) pairs with the loss on the answer and the end-of-turn token only, and saves
-an HF folder. The full SFT stage on the Megatron backend lives in the SFT driver; this loop exists so a
-policy can be warm-started in seconds inside tests and examples.
+It trains on (prompt, answer) pairs with the loss on the answer and the end-of-turn token only (the LM
+loss of the Megatron step, `workers.roles.lm.masked_token_nll`), and saves an HF folder. The full SFT
+stage on the Megatron backend lives in the SFT driver; this loop exists so a policy can be warm-started
+in seconds inside tests and examples.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ def sft_warm_start(model_dir: str | Path, pairs: list[tuple[str | list, str]], o
     """Fine-tune `model_dir` on `pairs` for `steps` AdamW steps and save the result to `out_dir`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from workers.roles.lm import masked_token_nll
+
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -40,14 +43,16 @@ def sft_warm_start(model_dir: str | Path, pairs: list[tuple[str | list, str]], o
         items = [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)]
         width = max(len(p) + len(a) for p, a in items)
         ids = torch.full((batch_size, width), pad, dtype=torch.long)
-        labels = torch.full((batch_size, width), -100, dtype=torch.long)
+        target = torch.zeros((batch_size, width))  # 1 on the answer tokens and the end of turn
         attn = torch.zeros((batch_size, width), dtype=torch.long)
         for i, (p, a) in enumerate(items):
             seq = p + a
             ids[i, : len(seq)] = torch.tensor(seq)
-            labels[i, len(p): len(seq)] = torch.tensor(a)
+            target[i, len(p): len(seq)] = 1.0
             attn[i, : len(seq)] = 1
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+        logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+        loss = masked_token_nll(logp, target[:, 1:])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

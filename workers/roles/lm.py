@@ -71,6 +71,13 @@ def lm_batch_from_rl(batch: Batch) -> Batch:
                   "position_ids": positions})
 
 
+def masked_token_nll(logp: torch.Tensor, mask: torch.Tensor, normalizer: torch.Tensor | None = None) -> torch.Tensor:
+    """The LM loss from the targets' log-probabilities: their negative sum over `mask` divided by
+    `normalizer` (the global batch's target count; default: this batch's). The Megatron LM step and the
+    HF warm start (rlhf.driver.warmstart) both train on it."""
+    return agg_loss(-logp, mask, "token-mean", normalizer=normalizer)
+
+
 def lm_loss(vocab_size: int, normalizer: torch.Tensor) -> MicroLoss:
     """Masked next-token cross-entropy of a micro-batch, divided by the global batch's loss tokens
     (`normalizer`); records `loss` and `tokens`."""
@@ -78,7 +85,7 @@ def lm_loss(vocab_size: int, normalizer: torch.Tensor) -> MicroLoss:
     def loss_fn(mb: Micro, logits: torch.Tensor, acc: Metrics) -> torch.Tensor:
         mask = mb.fields["loss_mask"]
         logp, _ = vocab_parallel_logprobs(logits, mb.fields["labels"], vocab_size)
-        loss = agg_loss(-logp, mask, "token-mean", normalizer=normalizer)
+        loss = masked_token_nll(logp, mask, normalizer)
         acc.add_sum({"loss": loss.detach(), "tokens": float(mask.sum())})
         return loss
 

@@ -96,10 +96,6 @@ def refresh_tied_head(worker: Any) -> bool:
     return True
 
 
-def model_dtype(worker: Any) -> str:
-    return str(next(get_model(worker).parameters()).dtype).replace("torch.", "")
-
-
 def load_direct(worker: Any, weights: Mapping[str, torch.Tensor]) -> bool:
     """Install `weights` (every HF tensor of the model, by name) module by module; False (nothing changed)
     when the model is not one this path knows. See the module docstring."""

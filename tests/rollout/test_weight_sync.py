@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import time
 
 import pytest
 import ray
@@ -137,7 +138,17 @@ def _released(session) -> None:
     store.set(session.key(0, "test/released"), b"1")
 
 
-class StalledGloo(GlooTransport):
+class _ReleasesOnReturn:
+    """The engine side: whatever happened, let a stalled sender go on."""
+
+    def receive(self, vworker, session, engine_rank, tp):
+        try:
+            return super().receive(vworker, session, engine_rank, tp)
+        finally:
+            _released(session)
+
+
+class StalledGloo(_ReleasesOnReturn, GlooTransport):
     """gloo whose stage-0 source stalls before bucket 1 (the engine has loaded bucket 0 by then)."""
 
     def send_bucket(self, out, buf, meta):
@@ -145,26 +156,14 @@ class StalledGloo(GlooTransport):
             _stall(out.session)
         super().send_bucket(out, buf, meta)
 
-    def receive(self, vworker, session, engine_rank, tp):
-        try:
-            return super().receive(vworker, session, engine_rank, tp)
-        finally:
-            _released(session)
 
-
-class StalledShm(ShmTransport):
+class StalledShm(_ReleasesOnReturn, ShmTransport):
     """shm whose stage-0 source rank stalls before writing anything."""
 
     def send(self, worker, session):
         if worker.ctx.rank == session.source_ranks[0]:
             _stall(session)
         return super().send(worker, session)
-
-    def receive(self, vworker, session, engine_rank, tp):
-        try:
-            return super().receive(vworker, session, engine_rank, tp)
-        finally:
-            _released(session)
 
 
 @pytest.fixture
@@ -180,8 +179,10 @@ def stalled():
 def test_stalled_transport_times_out_naming_ranks(env, stalled, transport):
     rollout, policy = env["rollout"], env["policy"]("tp1")
     rollout.sync_weights(policy, SyncConfig(bucket_mb=0.5, timeout_s=60, transport=transport), verify=False)
+    t0 = time.monotonic()
     with pytest.raises(WeightSyncTimeout) as err:
         rollout.sync_weights(policy, transport=stalled[transport], timeout_s=STALL_TIMEOUT_S)
+    assert time.monotonic() - t0 >= STALL_TIMEOUT_S  # the engine waited its full timeout, then gave up
     msg = str(err.value)
     assert "rollout rank 0" in msg and "policy rank 0" in msg and "timed out" in msg
     assert f"timeout {STALL_TIMEOUT_S:g}s" in msg

@@ -45,7 +45,7 @@ class SyncSession:
     """Everything the senders and receivers of one sync need (picklable; built by the driver)."""
 
     sync_id: int
-    transport: type[Transport]
+    transport: type[Transport]  # pickled by reference; each process works with its `local()` instance
     host: str
     port: int
     num_receivers: int

@@ -98,7 +98,7 @@ def main() -> None:
                              direct_load=not args.no_direct_load, zero_copy=zero_copy)
             first = rollout.sync_weights(policy, cfg)  # verified against the policy's logprobs
             runs = [rollout.sync_weights(policy, cfg, verify=False) for _ in range(args.reps)]
-            results[mode] = (first, runs, rollout._syncers[id(policy)].transport, decode_rate(rollout))
+            results[mode] = (first, runs, rollout._syncers[id(policy)].transport.name, decode_rate(rollout))
     finally:
         if rollout is not None:
             rollout.shutdown()

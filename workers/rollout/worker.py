@@ -10,10 +10,12 @@ from typing import Any
 import torch
 
 from workers.batch import Batch
-from workers.rollout import engine_ops
 from workers.rollout.config import EngineConfig, cuda_available, llm_kwargs, prepare_env
+from workers.rollout.control import SyncEndpoint
+from workers.rollout.cpu import engine_ops
 from workers.rollout.prompts import build_output, normalise
 from workers.rollout.sampling import SamplingConfig
+from workers.rollout.transport import SyncSession, receive_on_vllm_worker
 
 log = logging.getLogger(__name__)
 
@@ -137,23 +139,22 @@ class RolloutWorker:
 
     def open_sync_endpoint(self) -> tuple[str, int]:
         """Host the control store of weight sync in this process; return (host, port). Idempotent."""
-        from workers.rollout.transport import SyncEndpoint
-
         if self._sync_endpoint is None:
             self._sync_endpoint = SyncEndpoint.open()
         return self._sync_endpoint.address
 
-    def receive_weights(self, session: Any) -> dict[str, Any]:
-        """Receive side of `sync_weights`: stream buckets from the policy into the engine (one reload)."""
-        from workers.rollout.weight_sync import receive_into
-
+    def receive_weights(self, session: SyncSession) -> dict[str, Any]:
+        """Receive side of `sync_weights`: the session's transport loads the policy's weights in place."""
         if self.asleep:
             self.wake_up(tags=["weights"])
+        t0 = time.perf_counter()
         try:
-            stats = receive_into(self, session)
+            stats = self.llm.collective_rpc(receive_on_vllm_worker, args=(session, self.rank, self.cfg.tp))[0]
+            self.llm.reset_prefix_cache()
         except BaseException as exc:
             self.dirty = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             raise
+        stats["time_s"] = time.perf_counter() - t0
         self.dirty = None
         self.num_syncs += 1
         return stats

@@ -112,3 +112,47 @@ def check_cpu_compat() -> dict:
 def compat_then_train() -> tuple[dict, list[float]]:
     """`check_cpu_compat` then `train_tiny_gpt` in the same (single-rank) world, to spare a process."""
     return check_cpu_compat(), train_tiny_gpt()
+
+
+def masked_vs_alone_logits(hf_dir: str) -> dict:
+    """Largest |logit difference| between samples run alone and the same samples in a packed row
+    (block-causal mask) or a left-padded batch (padding mask), through `build_gpt_model` (the TE spec on
+    GPU with TE); `*_causal_type`: the same with the layers forced to the `causal` mask type."""
+    from transformers import AutoConfig
+
+    from workers.megatron.hf_weights import load_hf_weights
+    from workers.megatron.masks import causal_mask, follow_mask
+    from workers.megatron.model_provider import build_gpt_model, use_transformer_engine
+    from workers.roles.lm import lm_attention_mask
+    from workers.roles.micro import attention_mask_4d, position_ids
+
+    cfg = AutoConfig.from_pretrained(hf_dir)
+    model = build_gpt_model(cfg).eval()
+    load_hf_weights(model, hf_dir, cfg)
+    dev = next(model.parameters()).device
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randint(3, 400, (7,), generator=g), torch.randint(3, 400, (5,), generator=g)
+
+    def run(ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, mask_type_of: torch.Tensor | None) -> torch.Tensor:
+        follow_mask(model, mask_type_of)
+        with torch.no_grad():
+            out = model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask.to(dev))
+        return out.float().cpu()
+
+    def alone(x: torch.Tensor) -> torch.Tensor:
+        n = x.numel()
+        return run(x[None], torch.arange(n)[None], causal_mask(n)[None, None], causal_mask(n))[0]
+
+    ref_a, ref_b = alone(a), alone(b)
+    pos = torch.cat([torch.arange(7), torch.arange(5)])[None]
+    attn = torch.tensor([[0, 0] + [1] * 5, [1] * 7])
+    padded_ids = torch.stack([torch.cat([torch.zeros(2, dtype=torch.long), b]), a])
+    out: dict = {"te": use_transformer_engine()}
+    for suffix, forced in (("", False), ("_causal_type", True)):
+        mask = lm_attention_mask(pos)
+        packed = run(torch.cat([a, b])[None], pos, mask, None if forced else mask)[0]
+        out["packed" + suffix] = max(float((packed[:7] - ref_a).abs().max()), float((packed[7:] - ref_b).abs().max()))
+        mask = attention_mask_4d(attn)
+        padded = run(padded_ids, position_ids(attn), mask, None if forced else mask)
+        out["padded" + suffix] = max(float((padded[0, 2:] - ref_b).abs().max()), float((padded[1] - ref_a).abs().max()))
+    return out

@@ -28,14 +28,16 @@ from typing import Any
 
 import torch
 
+from workers.group.errors import WorkerGroupError, WorkerTimeoutError
+
 TRANSPORTS = ("shm", "gloo", "nccl", "cuda_ipc")
 
 
-class WeightSyncError(RuntimeError):
+class WeightSyncError(WorkerGroupError):
     """A weight sync failed; the message names the rollout and policy ranks involved."""
 
 
-class WeightSyncTimeout(WeightSyncError, TimeoutError):
+class WeightSyncTimeout(WeightSyncError, WorkerTimeoutError):
     """A weight sync transfer did not complete within its timeout."""
 
 

@@ -108,4 +108,5 @@ def test_killed_rollout_engine_is_reported_like_a_worker(tmp_path):
     assert len(lines) == 1, err[-3000:]
     line = lines[0]
     assert re.search(r"role 'rollout' rank 0 \(rollout/0\) on node \S+ \(\w+\), pid " + str(pids[0]), line), line
+    assert "name: rollout/0" in err  # Ray's own report of the dead actor: it had the rollout's actor name
     assert "Traceback" not in err[err.index(line):], err[-3000:]

@@ -18,6 +18,7 @@ from workers.group.errors import (
     describe_rank,
     first_lines,
 )
+from workers.group.wait import Failure, is_death, wait_all
 from workers.rollout.config import EngineConfig
 from workers.rollout.prompts import as_batch
 from workers.rollout.sampling import SamplingConfig
@@ -100,24 +101,21 @@ class RolloutGroup:
         `on_poll()` may raise to stop waiting (e.g. when the sending side of a weight sync failed)."""
         if self.in_process:
             return handles
-        from workers.group.wait import wait_all
-
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
 
         def timed_out(pending: list[int]) -> BaseException:
             return RolloutTimeoutError(f"{self.name}.{what} did not finish within {timeout_s:g}s; still running on "
                                        + "; ".join(self._describe(ranks[i]) for i in pending))
 
-        def failed(failures: list[tuple[int, Exception]], pending: list[int]) -> BaseException:
+        def failed(failures: list[Failure], pending: list[int]) -> BaseException:
             return self._failure([(ranks[i], e) for i, e in failures], what)
 
         return wait_all(handles, timeout_s, failed, timed_out, on_poll)
 
-    def _failure(self, failures: list[tuple[int, Exception]], what: str) -> BaseException:
-        """A dead engine first; weight-sync errors (they name their ranks) and bad input (ValueError) pass
-        as they are; anything else becomes a RolloutError naming the engine."""
-        from workers.group.wait import is_death
-
+    def _failure(self, failures: list[Failure], what: str) -> BaseException:
+        """The error for the most telling of `failures` ((rank, exception) pairs): a dead engine first;
+        weight-sync errors (they name their ranks) and bad input (ValueError) pass as they are; anything
+        else becomes a RolloutError naming the engine."""
         rank, exc = sorted(failures, key=lambda f: not is_death(f[1]))[0]
         head = f"{self.name}.{what} failed on {self._describe(rank)}"
         cause = getattr(exc, "cause", None)

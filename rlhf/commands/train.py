@@ -17,7 +17,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from rlhf.config import load_config
     from rlhf.driver.prepare import prepare_inputs
-    from rlhf.errors import UserError
 
     overrides = list(args.overrides)
     if args.resume:
@@ -26,19 +25,12 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"trainer.ray_address={args.address}")
     cfg = load_config(args.config, overrides)
     cfg = prepare_inputs(cfg)  # data and model files are checked (or generated) before any worker starts
-    try:
-        from workers.group.errors import WorkerGroupError
-    except ImportError:  # pragma: no cover
-        WorkerGroupError = RuntimeError  # noqa: N806
-    try:
-        if cfg.algorithm.name in ("sft", "pretrain"):
-            from rlhf.driver.lm import run_lm
+    if cfg.algorithm.name in ("sft", "pretrain"):
+        from rlhf.driver.lm import run_lm
 
-            run_lm(cfg)
-        else:
-            from rlhf.driver.rl import run_rl
+        run_lm(cfg)
+    else:
+        from rlhf.driver.rl import run_rl
 
-            run_rl(cfg)
-    except WorkerGroupError as e:
-        raise UserError(f"worker failure: {e}") from None
-    return 0
+        run_rl(cfg)
+    return 0  # a worker failure (any role) propagates to rlhf.cli, which prints it as one line, exit code 2

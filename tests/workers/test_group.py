@@ -24,6 +24,7 @@ from workers.group import (
     WorkerGroupError,
     WorkerTimeoutError,
 )
+from workers.group.wait import wait_all
 
 
 class Toy(Worker):
@@ -163,6 +164,42 @@ def test_timeout(cluster):
         assert time.monotonic() - t0 < 5
     finally:
         g.shutdown()
+
+
+def test_shared_wait_reports_failures_by_index_and_stops_when_on_poll_raises(cluster):
+    """The loop under every group's wait (worker ranks and rollout engines alike)."""
+
+    @ray.remote(num_cpus=0)
+    def task(seconds: float, fail: bool) -> float:
+        time.sleep(seconds)
+        if fail:
+            raise ValueError("boom")
+        return seconds
+
+    seen: dict[str, list] = {}
+
+    def on_failure(failures, pending):
+        seen["failures"], seen["pending"] = [(i, type(e.cause).__name__) for i, e in failures], pending
+        return WorkerGroupError("failed")
+
+    def on_timeout(pending):
+        return WorkerTimeoutError(f"stuck {pending}")
+
+    assert wait_all([task.remote(0.1, False), task.remote(0.2, False)], 30, on_failure, on_timeout) == [0.1, 0.2]
+    with pytest.raises(WorkerGroupError, match="failed"):
+        wait_all([task.remote(30, False), task.remote(0.1, True)], 60, on_failure, on_timeout)
+    assert seen == {"failures": [(1, "ValueError")], "pending": [0]}
+    with pytest.raises(WorkerTimeoutError, match=r"stuck \[0\]"):
+        wait_all([task.remote(30, False), task.remote(0.1, False)], 2, on_failure, on_timeout)
+    t0 = time.monotonic()
+
+    def on_poll():
+        if time.monotonic() - t0 > 1.0:
+            raise RuntimeError("the other side failed")
+
+    with pytest.raises(RuntimeError, match="other side"):
+        wait_all([task.remote(30, False)], 60, on_failure, on_timeout, on_poll=on_poll)
+    assert time.monotonic() - t0 < 10
 
 
 def test_impossible_resources_fail_fast(cluster):

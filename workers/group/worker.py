@@ -115,9 +115,6 @@ class Worker:
             s.bind((host, 0))
             return s.getsockname()[1]
 
-    def ping(self) -> str:
-        return self.ctx.name
-
     # ---- world --------------------------------------------------------------------------------
     def init_world(self, master_addr: str, master_port: int) -> dict[str, Any]:
         """Join the torch.distributed world, then `setup()`; returns `rank_info()` (actual layout)."""
@@ -164,9 +161,6 @@ class Worker:
         import contextlib
 
         return contextlib.nullcontext()
-
-    def tail_log(self, lines: int = 30) -> str:
-        return tail_file(self.ctx.log_path, lines)
 
     def _setup_logging(self) -> None:
         path = Path(self.ctx.log_path)

@@ -17,14 +17,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from workers.group.errors import WorkerGroupError, WorkerTimeoutError
 from workers.rollout.control import Channel, GroupFactory
 
 
-class WeightSyncError(RuntimeError):
+class WeightSyncError(WorkerGroupError):
     """A weight sync failed; the message names the rollout and policy ranks involved."""
 
 
-class WeightSyncTimeout(WeightSyncError, TimeoutError):
+class WeightSyncTimeout(WeightSyncError, WorkerTimeoutError):
     """A weight sync transfer did not complete within its timeout."""
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -27,10 +28,11 @@ class RolloutWorker:
     `ray.remote(RolloutWorker)`); every public method is one call, so a generate is one Ray round trip.
     """
 
-    def __init__(self, config: EngineConfig | dict[str, Any], rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig | dict[str, Any], rank: int = 0, name: str | None = None) -> None:
         cfg = config if isinstance(config, EngineConfig) else EngineConfig(**config)
         self.cfg = cfg.validate()
         self.rank = rank
+        self.name = name or f"rollout/{rank}"  # the Ray actor name (RolloutGroup), and the log-line prefix
         self.work_dir = prepare_env(cfg)
         if not cuda_available():
             from workers.group.worker import set_niceness
@@ -59,17 +61,18 @@ class RolloutWorker:
         self._sync_endpoint: Any = None
 
     def __repr__(self) -> str:  # Ray prefixes the actor's log lines with it
-        return f"rollout/{self.rank}"
+        return self.name
 
     # ---- construction helpers -------------------------------------------------------------------
     @classmethod
     def remote(cls, config: EngineConfig | dict[str, Any], rank: int = 0, **options: Any):
-        """Start the worker as a Ray actor with the config's CPU/GPU resources (`options` override)."""
+        """Start the worker as a Ray actor with the config's CPU/GPU resources (`options` override; an
+        actor `name` is also the worker's display name)."""
         import ray
 
         cfg = config if isinstance(config, EngineConfig) else EngineConfig(**config)
         opts = {"num_cpus": cfg.num_cpus, "num_gpus": cfg.num_gpus, **options}
-        return ray.remote(cls).options(**opts).remote(cfg, rank)
+        return ray.remote(cls).options(**opts).remote(cfg, rank, opts.get("name"))
 
     # ---- rollout ---------------------------------------------------------------------------------
     def generate(self, prompts: Batch | Sequence[Any], sampling: SamplingConfig | dict | None = None) -> Batch:
@@ -196,6 +199,7 @@ class RolloutWorker:
             "device": "cuda" if cuda_available() else "cpu",
             "vocab_size": int(vc.model_config.get_vocab_size()),
             "startup_s": round(self.startup_s, 2),
+            **_where(),
         }
 
     def ping(self) -> int:
@@ -209,6 +213,16 @@ class RolloutWorker:
             import gc
 
             gc.collect()
+
+
+def _where() -> dict[str, Any]:
+    """This process's pid, and its node when it runs under Ray (failure messages name both)."""
+    import ray
+
+    out: dict[str, Any] = {"pid": os.getpid()}
+    if ray.is_initialized():
+        out.update(node_ip=ray.util.get_node_ip_address(), node_id=ray.get_runtime_context().get_node_id())
+    return out
 
 
 def _sampling(sampling: SamplingConfig | dict | None) -> SamplingConfig:

@@ -185,7 +185,7 @@ class Roles:
             mode = "raw_logprobs" if temp == 1.0 else "processed_logprobs"
             engine = EngineConfig.from_config(cfg.rollout, model_path=cfg.model.path,
                                               tokenizer_path=cfg.model.tokenizer_path, logprobs_mode=mode)
-            group = RolloutGroup(engine, timeout_s=cfg.trainer.timeout_s, name="rollout")
+            group = RolloutGroup(engine, timeout_s=cfg.trainer.timeout_s, name="rollout", log_dir=run_dir / "logs")
             handles["rollout"] = RolloutHandle(group, SamplingConfig.from_config(cfg.rollout),
                                                SyncConfig.from_config(cfg.rollout, timeout_s=cfg.trainer.timeout_s))
         except BaseException:

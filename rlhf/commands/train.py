@@ -14,6 +14,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def quiet_libraries() -> None:
+    """The console shows the run's progress: transformers' per-file progress bars and info lines (the
+    warm start saves and loads models in this process) are turned off; its warnings stay."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_warning()
+
+
 def run(args: argparse.Namespace) -> int:
     from rlhf.config import load_config
     from rlhf.driver.prepare import prepare_inputs
@@ -24,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
     if args.address:
         overrides.append(f"trainer.ray_address={args.address}")
     cfg = load_config(args.config, overrides)
+    quiet_libraries()
     cfg = prepare_inputs(cfg)  # data and model files are checked (or generated) before any worker starts
     if cfg.algorithm.name in ("sft", "pretrain"):
         from rlhf.driver.lm import run_lm

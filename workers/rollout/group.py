@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from workers.batch import Batch
@@ -19,6 +20,7 @@ from workers.group.errors import (
     first_lines,
 )
 from workers.group.wait import Failure, is_death, wait_all
+from workers.group.worker import tail_file
 from workers.rollout.config import EngineConfig
 from workers.rollout.prompts import as_batch
 from workers.rollout.sampling import SamplingConfig
@@ -46,12 +48,13 @@ class RolloutGroup:
     `in_process=True` keeps a single engine in this process (tests, `rlhf generate`); otherwise each
     engine is a Ray actor with the config's `num_cpus` / `num_gpus`, named `<name>/<rank>` (e.g.
     `rollout/0`) like the worker ranks. Without `name` the group gets a unique one (`rollout-1a2b3c`),
-    so several groups can live in one Ray session; a `name` already taken there is refused.
+    so several groups can live in one Ray session; a `name` already taken there is refused. With
+    `log_dir`, each engine actor writes its output to `log_dir/<name>/<rank>.log`, not to the console.
     """
 
     def __init__(self, config: EngineConfig | dict[str, Any], num_engines: int = 1, in_process: bool = False,
                  timeout_s: float = 600.0, actor_options: dict[str, Any] | None = None,
-                 name: str | None = None) -> None:
+                 name: str | None = None, log_dir: str | Path | None = None) -> None:
         self.cfg = config if isinstance(config, EngineConfig) else EngineConfig(**config)
         if num_engines < 1 or (in_process and num_engines != 1):
             raise ValueError(f"num_engines={num_engines}: need >= 1 (exactly 1 in process)")
@@ -60,6 +63,7 @@ class RolloutGroup:
         self.names = [f"{self.name}/{i}" for i in range(num_engines)]
         self.infos: list[dict[str, Any]] = [{"rank": i} for i in range(num_engines)]
         self.engines: list[Any] = []
+        self.log_paths: list[str | None] = [None] * num_engines
         self._endpoint: tuple[str, int] | None = None
         self._syncers: dict[int, Any] = {}
         try:
@@ -67,7 +71,10 @@ class RolloutGroup:
                 self.engines = [RolloutWorker(self.cfg, 0, name=self.names[0])]
             else:
                 self._check_names_free()
-                self.engines = [RolloutWorker.remote(self.cfg, i, **{**(actor_options or {}), "name": n})
+                self.log_paths = [str(Path(log_dir) / self.name / f"{i}.log") if log_dir else None
+                                  for i in range(num_engines)]
+                self.engines = [RolloutWorker.start(self.cfg, i, self.log_paths[i],
+                                                    **{**(actor_options or {}), "name": n})
                                 for i, n in enumerate(self.names)]
             self.infos = self._all("info", timeout_s=max(timeout_s, 300.0))
         except BaseException:
@@ -118,14 +125,16 @@ class RolloutGroup:
         else becomes a RolloutError naming the engine."""
         rank, exc = sorted(failures, key=lambda f: not is_death(f[1]))[0]
         head = f"{self.name}.{what} failed on {self._describe(rank)}"
+        log = self.log_paths[rank] if rank < len(self.log_paths) else None
+        tail = f"\n--- last log lines of {self.names[rank]} ({log}) ---\n{tail_file(log, 20)}" if log else ""
         cause = getattr(exc, "cause", None)
         if is_death(exc):
             err: BaseException = RolloutDiedError(
-                f"{head}: the actor died ({type(exc).__name__}: {first_lines(str(exc), 6)})")
+                f"{head}: the actor died ({type(exc).__name__}: {first_lines(str(exc), 6)}){tail}")
         elif isinstance(cause, WorkerGroupError | ValueError):
             err = cause
         else:
-            err = RolloutError(f"{head}: {type(cause or exc).__name__}: {first_lines(str(cause or exc), 60)}")
+            err = RolloutError(f"{head}: {type(cause or exc).__name__}: {first_lines(str(cause or exc), 60)}{tail}")
         err.__cause__ = exc
         return err
 

@@ -24,11 +24,17 @@ log = logging.getLogger(__name__)
 class RolloutWorker:
     """A vLLM `LLM` built from the policy's HF folder (config + tokenizer).
 
-    Use it in-process (`RolloutWorker(cfg)`) or as an actor (`RolloutWorker.remote(cfg)` /
-    `ray.remote(RolloutWorker)`); every public method is one call, so a generate is one Ray round trip.
+    Use it in-process (`RolloutWorker(cfg)`) or as an actor (`RolloutWorker.start(cfg)`); every public
+    method is one call, so a generate is one Ray round trip. An actor given `log_path` writes all its
+    output (vLLM's included) there instead of to the driver's console.
     """
 
-    def __init__(self, config: EngineConfig | dict[str, Any], rank: int = 0, name: str | None = None) -> None:
+    def __init__(self, config: EngineConfig | dict[str, Any], rank: int = 0, name: str | None = None,
+                 log_path: str | None = None) -> None:
+        if log_path:
+            from workers.group.worker import redirect_output
+
+            self._log_file = redirect_output(log_path)
         cfg = config if isinstance(config, EngineConfig) else EngineConfig(**config)
         self.cfg = cfg.validate()
         self.rank = rank
@@ -65,14 +71,15 @@ class RolloutWorker:
 
     # ---- construction helpers -------------------------------------------------------------------
     @classmethod
-    def remote(cls, config: EngineConfig | dict[str, Any], rank: int = 0, **options: Any):
+    def start(cls, config: EngineConfig | dict[str, Any], rank: int = 0, log_path: str | None = None,
+              **options: Any):
         """Start the worker as a Ray actor with the config's CPU/GPU resources (`options` override; an
         actor `name` is also the worker's display name)."""
         import ray
 
         cfg = config if isinstance(config, EngineConfig) else EngineConfig(**config)
         opts = {"num_cpus": cfg.num_cpus, "num_gpus": cfg.num_gpus, **options}
-        return ray.remote(cls).options(**opts).remote(cfg, rank, opts.get("name"))
+        return ray.remote(cls).options(**opts).remote(cfg, rank, opts.get("name"), log_path)
 
     # ---- rollout ---------------------------------------------------------------------------------
     def generate(self, prompts: Batch | Sequence[Any], sampling: SamplingConfig | dict | None = None) -> Batch:

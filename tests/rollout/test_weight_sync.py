@@ -17,6 +17,7 @@ import ray
 import torch
 
 from workers.group import WorkerGroup
+from workers.roles.policy import PolicyWorker
 from workers.rollout import (
     EngineConfig,
     RolloutGroup,
@@ -26,14 +27,13 @@ from workers.rollout import (
     WeightSyncTimeout,
 )
 from workers.rollout.cpu.shm import ShmTransport
-from workers.rollout.testing import policy_worker_cls
 from workers.rollout.weight_sync import GlooTransport
 
 LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
 PROMPTS = ["hello world", [{"role": "user", "content": "What is 2+3?"}], "one two three", "the answer"]
 SAMPLING = SamplingConfig(n=2, max_tokens=12, temperature=1.0, seed=5)
 
-POLICY_CLS = policy_worker_cls()
+POLICY_CLS = PolicyWorker
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ def hf_to_mcore_rank(hf_dir: str, out_dir: str, dtype_name: str, padded_vocab: i
     """Build this rank's model shard, fill it from the HF safetensors (streamed), save with dist_checkpointing."""
     from transformers import AutoConfig
 
-    from workers.megatron.dtypes import as_dtype
+    from workers.dtypes import as_dtype
     from workers.megatron.hf_weights import load_hf_weights
     from workers.megatron.mcore_checkpoint import save_model
     from workers.megatron.model_provider import build_gpt_model

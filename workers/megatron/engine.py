@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
+from workers.dtypes import as_dtype
 from workers.megatron import rope_positions
 from workers.megatron.cpu_compat import cuda_absent
-from workers.megatron.dtypes import as_dtype
 from workers.megatron.hf_weights import HFTensorSource
 from workers.megatron.masks import follow_mask
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from workers.megatron.dtypes import as_dtype
+from workers.dtypes import as_dtype
 
 META_FILE = "rlhf_mcore.json"
 HF_SUBDIR = "hf"

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from workers.rollout.buckets import BucketMeta, BucketPacker, BufferPool, torch_dtype
+from workers.dtypes import as_dtype
+from workers.rollout.buckets import BucketMeta, BucketPacker, BufferPool
 from workers.rollout.control import Channel
 from workers.rollout.cpu import engine_ops
 from workers.rollout.transport import SyncSession, Transport, sync_error
@@ -156,7 +157,7 @@ class BucketTransport(Transport):
 
     def receive_bucket(self, ch: Channel, session: SyncSession, item: Any) -> tuple[torch.Tensor, BucketMeta]:
         """The data of the bucket whose published `item` was fetched."""
-        buf = self._pool.get(item.numel, torch_dtype(session.dtype), self._device())
+        buf = self._pool.get(item.numel, as_dtype(session.dtype), self._device())
         ch.broadcast(buf)
         return buf, item
 

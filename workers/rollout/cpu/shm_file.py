@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from workers.rollout.buckets import torch_dtype
+from workers.dtypes import as_dtype
 
 SHM_DIR = "/dev/shm"
 PREFIX = "rlhf-wsync-"
@@ -39,8 +39,8 @@ class ShmLayout:
 
     @classmethod
     def from_shapes(cls, shapes: dict[str, tuple[int, ...]], dtype: str) -> ShmLayout:
-        item = torch_dtype(dtype).itemsize
-        out = cls(str(torch_dtype(dtype)).replace("torch.", ""))
+        item = as_dtype(dtype).itemsize
+        out = cls(str(as_dtype(dtype)).replace("torch.", ""))
         prev = ""
         for name, shape in shapes.items():
             n = item
@@ -72,7 +72,7 @@ class ShmLayout:
             yield name, self._view(mapping, i)
 
     def _view(self, mapping: torch.Tensor, i: int) -> torch.Tensor:
-        dt = torch_dtype(self.dtype)
+        dt = as_dtype(self.dtype)
         n = 1
         for s in self.shapes[i]:
             n *= s

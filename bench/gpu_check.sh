@@ -213,7 +213,7 @@ def section_mfu() -> dict:
 
     from workers.megatron.engine import MegatronEngine
     from workers.megatron.parallel import destroy_distributed, init_distributed
-    from workers.megatron.testing import free_port
+    from workers.megatron.launch import free_port
     from workers.roles.logits import vocab_parallel_logprobs
     from workers.roles.micro import make_micro
 

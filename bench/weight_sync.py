@@ -76,8 +76,8 @@ def main() -> None:
 
     from rlhf.tiny_models import create_tiny_model
     from workers.group import WorkerGroup
+    from workers.roles.policy import PolicyWorker
     from workers.rollout import EngineConfig, RolloutGroup, SyncConfig
-    from workers.rollout.testing import policy_worker_cls
 
     root = Path(tempfile.mkdtemp(prefix="bench_sync_"))
     path = str(create_tiny_model("base-qwen2", root / "base-qwen2"))
@@ -85,7 +85,7 @@ def main() -> None:
     policy = rollout = None
     results = {}
     try:
-        policy = WorkerGroup("policy", policy_worker_cls(), tp=args.tp, name="bench-sync-policy",
+        policy = WorkerGroup("policy", PolicyWorker, tp=args.tp, name="bench-sync-policy",
                              num_cpus_per_worker=0.5, timeout_s=600, log_dir=str(root / "logs"),
                              init_kwargs={"model_path": path, "micro_batch_size": 2})
         rollout = RolloutGroup(EngineConfig(path, dtype=args.dtype, kv_cache_gb=0.25, max_num_seqs=64, num_cpus=0,
@@ -98,7 +98,7 @@ def main() -> None:
                              direct_load=not args.no_direct_load, zero_copy=zero_copy)
             first = rollout.sync_weights(policy, cfg)  # verified against the policy's logprobs
             runs = [rollout.sync_weights(policy, cfg, verify=False) for _ in range(args.reps)]
-            results[mode] = (first, runs, rollout._syncers[id(policy)].transport, decode_rate(rollout))
+            results[mode] = (first, runs, rollout._syncers[id(policy)].transport.name, decode_rate(rollout))
     finally:
         if rollout is not None:
             rollout.shutdown()

@@ -1,6 +1,8 @@
 """The `rlhf` command line: one subcommand per module in `rlhf/commands/`.
 
 Each command module defines `register(subparsers)` which adds its parser and sets `func(args) -> int`.
+Bad input (`UserError`) and a failure of any role's workers (`WorkerGroupError`) end with one line on stderr
+and exit code 2; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -31,6 +33,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def is_worker_failure(exc: BaseException) -> bool:
+    """Whether `exc` is a failure of a role's workers (any role: policy, reference, critic, reward model,
+    rollout). Looked up in sys.modules: a command that never imported the worker groups cannot raise one,
+    and `rlhf --help` stays free of Ray."""
+    errors = sys.modules.get("workers.group.errors")
+    return errors is not None and isinstance(exc, errors.WorkerGroupError)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -38,6 +48,12 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except UserError as e:
         print(f"rlhf {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        if not is_worker_failure(e):
+            raise
+        # The first line names the role, rank, node and pid; the lines after it hold the rank's last log lines.
+        print(f"rlhf {args.command}: error: worker failure: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"rlhf {args.command}: interrupted", file=sys.stderr)

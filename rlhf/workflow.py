@@ -47,7 +47,9 @@ def value_loss_config(cfg: RunConfig) -> dict[str, Any]:
             "mini_batches": a.mini_batches}
 
 
-def _group(role: str, rc: RoleConfig, cfg: RunConfig, run_dir: Path, worker_cls: type, pool=None, **init: Any):
+def _group(role: str, rc: RoleConfig, cfg: RunConfig, run_dir: Path, worker_cls: type, pool=None,
+           model_path: str | None = None, **init: Any):
+    """The role's worker group; `model_path` (else the role's, else the run's model) is the HF folder it loads."""
     from workers.group import WorkerGroup
 
     par = rc.parallel
@@ -56,7 +58,7 @@ def _group(role: str, rc: RoleConfig, cfg: RunConfig, run_dir: Path, worker_cls:
         num_cpus_per_worker=rc.resources.num_cpus_per_worker, num_gpus_per_worker=rc.resources.num_gpus_per_worker,
         timeout_s=cfg.trainer.timeout_s, log_dir=run_dir / "logs", seed=cfg.trainer.seed, resource_pool=pool,
         num_threads=rc.resources.num_threads,
-        init_kwargs={"model_path": rc.model_path or cfg.model.path, "micro_batch_size": rc.micro_batch_size,
+        init_kwargs={"model_path": model_path or rc.model_path or cfg.model.path, "micro_batch_size": rc.micro_batch_size,
                      "dtype": rc.dtype, "offload": rc.offload,
                      "optim": {**asdict(rc.optim), "total_steps": _optimizer_steps(cfg)}, **init},
     )
@@ -120,6 +122,10 @@ class RewardHandle:
             batch["scores"] = score_batch(self.fn, batch["prompt"], batch["response_text"], gts)
         return batch
 
+    def shutdown(self) -> None:
+        if self.model_group is not None:
+            self.model_group.shutdown()
+
 
 def prompt_batch(records: list[dict[str, Any]]) -> Batch:
     """Prompt records from `rlhf.data.prompts` as a Batch: chat `messages` (or raw `prompt`) and `ground_truth`."""
@@ -172,25 +178,26 @@ class Roles:
                                                     temp)
             if cfg.critic.enabled:
                 handles["critic"] = CriticHandle(_group("critic", cfg.critic, cfg, run_dir, CriticWorker))
-            if cfg.reward.model_path:
-                rm_cfg = cfg.reward_model
-                rm_cfg.model_path = cfg.reward.model_path
-                reward = RewardHandle(None, _group("reward_model", rm_cfg, cfg, run_dir, RewardModelWorker))
+            if cfg.reward.model_path:  # the config is left as saved: reward.model_path is passed, not written
+                reward = RewardHandle(None, _group("reward_model", cfg.reward_model, cfg, run_dir, RewardModelWorker,
+                                                   model_path=cfg.reward.model_path))
             # Sampled-token logprobs after temperature (the sampling distribution) when it is not 1.
             mode = "raw_logprobs" if temp == 1.0 else "processed_logprobs"
             engine = EngineConfig.from_config(cfg.rollout, model_path=cfg.model.path,
                                               tokenizer_path=cfg.model.tokenizer_path, logprobs_mode=mode)
-            group = RolloutGroup(engine, timeout_s=cfg.trainer.timeout_s)
+            group = RolloutGroup(engine, timeout_s=cfg.trainer.timeout_s, name="rollout", log_dir=run_dir / "logs")
             handles["rollout"] = RolloutHandle(group, SamplingConfig.from_config(cfg.rollout),
                                                SyncConfig.from_config(cfg.rollout, timeout_s=cfg.trainer.timeout_s))
         except BaseException:
-            for h in handles.values():
+            for h in [*handles.values(), reward]:
                 h.shutdown()
             raise
         return cls(reward=reward, **handles)
 
     def all(self) -> list[Any]:
-        return [h for h in (self.policy, self.reference, self.critic, self.rollout) if h is not None]
+        """Every handle that holds workers (the reward only when it is a reward-model group)."""
+        reward = self.reward if self.reward.model_group is not None else None
+        return [h for h in (self.policy, self.reference, self.critic, reward, self.rollout) if h is not None]
 
     def shutdown(self) -> None:
         for h in self.all():

@@ -13,6 +13,9 @@ from typing import Any
 
 import torch
 
+# The tensors of a pretraining / SFT batch, each [B, S] (layout in workers/roles/lm.py).
+LM_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
 
 @dataclass
 class Batch:

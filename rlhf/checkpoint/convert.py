@@ -87,8 +87,8 @@ def hf_to_mcore(
 ) -> Path:
     """Convert a HF folder into a converted megatron checkpoint folder (see workers.megatron.mcore_checkpoint)."""
     from rlhf.checkpoint.rank_fns import hf_to_mcore_rank
+    from workers.megatron.launch import run_distributed
     from workers.megatron.model_provider import DEFAULT_VOCAB_DIVISOR, padded_vocab_size
-    from workers.megatron.testing import run_distributed
 
     cfg, dtype = validate_hf(hf_dir, tp, pp, dtype)
     out = prepare_output_dir(out_dir, force)
@@ -153,8 +153,8 @@ def mcore_to_hf(
     """
     from rlhf.checkpoint.rank_fns import mcore_to_hf_rank
     from workers.megatron.hf_weights import write_hf_index
+    from workers.megatron.launch import run_distributed
     from workers.megatron.mcore_checkpoint import HF_SUBDIR
-    from workers.megatron.testing import run_distributed
 
     validate_mcore(mcore_dir, tp, pp)
     out = prepare_output_dir(out_dir, force)

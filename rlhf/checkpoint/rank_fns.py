@@ -1,4 +1,4 @@
-"""Per-rank conversion steps, run in processes spawned by `workers.megatron.testing.run_distributed`."""
+"""Per-rank conversion steps, run in processes spawned by `workers.megatron.launch.run_distributed`."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ def hf_to_mcore_rank(hf_dir: str, out_dir: str, dtype_name: str, padded_vocab: i
     """Build this rank's model shard, fill it from the HF safetensors (streamed), save with dist_checkpointing."""
     from transformers import AutoConfig
 
+    from workers.dtypes import as_dtype
     from workers.megatron.hf_weights import load_hf_weights
-    from workers.megatron.mcore_checkpoint import _DTYPE_NAMES, save_model
+    from workers.megatron.mcore_checkpoint import save_model
     from workers.megatron.model_provider import build_gpt_model
 
     cfg = AutoConfig.from_pretrained(hf_dir)
     model = build_gpt_model(
-        cfg, dtype=_DTYPE_NAMES[dtype_name], padded_vocab=padded_vocab, perform_initialization=False
+        cfg, dtype=as_dtype(dtype_name), padded_vocab=padded_vocab, perform_initialization=False
     )
     load_hf_weights(model, hf_dir, cfg)
     save_model(model, out_dir)

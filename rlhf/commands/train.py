@@ -14,10 +14,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def quiet_libraries() -> None:
+    """The console shows the run's progress: transformers' per-file progress bars and info lines (the
+    warm start saves and loads models in this process) are turned off; its warnings stay."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_warning()
+
+
 def run(args: argparse.Namespace) -> int:
     from rlhf.config import load_config
     from rlhf.driver.prepare import prepare_inputs
-    from rlhf.errors import UserError
 
     overrides = list(args.overrides)
     if args.resume:
@@ -25,20 +33,14 @@ def run(args: argparse.Namespace) -> int:
     if args.address:
         overrides.append(f"trainer.ray_address={args.address}")
     cfg = load_config(args.config, overrides)
+    quiet_libraries()
     cfg = prepare_inputs(cfg)  # data and model files are checked (or generated) before any worker starts
-    try:
-        from workers.group.errors import WorkerGroupError
-    except ImportError:  # pragma: no cover
-        WorkerGroupError = RuntimeError  # noqa: N806
-    try:
-        if cfg.algorithm.name in ("sft", "pretrain"):
-            from rlhf.driver.lm import run_lm
+    if cfg.algorithm.name in ("sft", "pretrain"):
+        from rlhf.driver.lm import run_lm
 
-            run_lm(cfg)
-        else:
-            from rlhf.driver.rl import run_rl
+        run_lm(cfg)
+    else:
+        from rlhf.driver.rl import run_rl
 
-            run_rl(cfg)
-    except WorkerGroupError as e:
-        raise UserError(f"worker failure: {e}") from None
-    return 0
+        run_rl(cfg)
+    return 0  # a worker failure (any role) propagates to rlhf.cli, which prints it as one line, exit code 2

@@ -7,7 +7,7 @@ Modules (imported directly; this package imports nothing heavy):
 - `preprocess`: `rlhf preprocess` jsonl/txt -> `P_<key>_document.bin/.idx` (multiprocess tokenising).
 - `pretrain`: `build_pretrain_datasets` on megatron-core's GPTDataset / BlendedMegatronDatasetBuilder.
 - `chat`: ShareGPT / OpenAI conversations -> token ids + assistant mask via the chat template.
-- `packing`: sequence packing, block-diagonal masks, cu_seqlens.
+- `packing`: sequence packing (samples into rows, each row's segments).
 - `sft`: `SFTDataset` and `collate_sft` (batch keys and shapes documented there).
 - `sft_indexed`: `rlhf preprocess --sft`, pre-tokenised SFT sets in the indexed format.
 - `prompts`: `load_prompt_dataset` and `PromptLoader` for RL.

@@ -13,6 +13,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import numpy as np
+
 from rlhf.errors import UserError
 
 ROLE_MAP = {
@@ -106,3 +108,16 @@ def _mask_by_prefixes(tokenizer, messages: list[dict[str, str]]) -> tuple[list[i
         for t in range(start, end):
             mask[t] = 1
     return ids, mask
+
+
+def encode_sft_record(
+    tokenizer, record: dict, where: str, seq_length: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """(ids int32, assistant mask uint8) truncated to seq_length + 1, or None when no assistant token is
+    left to predict after truncation. A malformed record is a UserError naming `where`."""
+    messages = normalize_conversation(record, where)
+    ids, mask = tokenize_conversation(tokenizer, messages)
+    ids, mask = ids[: seq_length + 1], mask[: seq_length + 1]
+    if not any(mask[1:]):
+        return None
+    return np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)

@@ -15,13 +15,10 @@ Dataset item (one sample, or with pack=True several samples packed into one row)
 Packing never splits a sample and never lets labels cross sample boundaries, so every sample's loss is the
 same packed or not.
 
-`collate_sft(items, pad_id, seq_length=None)` pads to S = seq_length (or the longest row) and returns:
-- `tokens`, `labels` [B, S] int64 (pad_id after the row), `loss_mask` [B, S] float32 (0 on padding),
-  `position_ids` [B, S] int64 (the padding tail counts from 0 as its own segment);
-- `attention_mask` bool, True = masked: [1, 1, S, S] causal when every row holds one sample, else
-  [B, 1, S, S] block-diagonal causal (padding is its own block). This is what Megatron's local spec takes.
-- `cu_seqlens` [N+1] int32 and `max_seqlen` int: segment offsets over the batch flattened to B*S tokens
-  (the padding tail of each row is one more segment), for varlen / THD attention (TE PackedSeqParams).
+`collate_sft(items, pad_id, seq_length=None)` pads to S = seq_length (or the longest row) and returns
+`tokens`, `labels` [B, S] int64 (pad_id after the row), `loss_mask` [B, S] float32 (0 on padding) and
+`position_ids` [B, S] int64 (the padding tail counts from 0 as its own segment). The worker rebuilds the
+attention mask from the positions (`workers.roles.lm.lm_attention_mask`).
 """
 
 from __future__ import annotations
@@ -34,24 +31,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlhf.data.chat import check_chat_template, normalize_conversation, tokenize_conversation
+from rlhf.data.chat import check_chat_template, encode_sft_record
 from rlhf.data.jsonl import check_input_file, read_jsonl
-from rlhf.data.packing import block_causal_mask, causal_mask, cu_seqlens, pack_lengths, row_segments
+from rlhf.data.packing import pack_lengths, row_segments
+from rlhf.data.sft_indexed import SFTIndexedStore, is_sft_prefix
 from rlhf.data.tokenizer import load_tokenizer, pad_id
 from rlhf.errors import UserError
-
-
-def encode_sft_record(
-    tokenizer, record: dict, where: str, seq_length: int
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """(ids int32, assistant mask uint8) truncated to seq_length + 1, or None when no assistant token is
-    left to predict after truncation. A malformed record is a UserError naming `where`."""
-    messages = normalize_conversation(record, where)
-    ids, mask = tokenize_conversation(tokenizer, messages)
-    ids, mask = ids[: seq_length + 1], mask[: seq_length + 1]
-    if not any(mask[1:]):
-        return None
-    return np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.uint8)
 
 
 def sample_tensors(ids: np.ndarray, mask: np.ndarray) -> dict[str, torch.Tensor]:
@@ -115,8 +100,6 @@ class SFTDataset(torch.utils.data.Dataset):
 
     def _load(self, path: Path) -> tuple[Any, list[int]]:
         """(store, indices of the stored conversations to use)."""
-        from rlhf.data.sft_indexed import SFTIndexedStore, is_sft_prefix
-
         if is_sft_prefix(path):
             store = SFTIndexedStore(path)
             keep = []
@@ -157,14 +140,14 @@ class SFTDataset(torch.utils.data.Dataset):
             return self.sample(row[0])
         return concat_samples([self.sample(i) for i in row])
 
-    def collate(self, items: Sequence[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    def collate(self, items: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """`collate_sft` padded to this dataset's seq_length (fixed shapes, as pipeline parallelism needs)."""
         return collate_sft(items, self.pad_id, self.seq_length)
 
 
 def collate_sft(
     items: Sequence[dict[str, torch.Tensor]], pad_id: int, seq_length: int | None = None
-) -> dict[str, Any]:
+) -> dict[str, torch.Tensor]:
     """Pad dataset items into a batch; keys and shapes in the module docstring."""
     if not items:
         raise ValueError("collate_sft needs at least one item")
@@ -174,7 +157,6 @@ def collate_sft(
     labels = torch.full((B, S), pad_id, dtype=torch.long)
     loss_mask = torch.zeros(B, S, dtype=torch.float32)
     position_ids = torch.empty(B, S, dtype=torch.long)
-    rows: list[list[int]] = []
     for b, it in enumerate(items):
         n = int(it["tokens"].numel())
         if n > S:
@@ -182,17 +164,6 @@ def collate_sft(
         tokens[b, :n] = it["tokens"]
         labels[b, :n] = it["labels"]
         loss_mask[b, :n] = it["loss_mask"]
-        segs = [int(s) for s in it["segment_lengths"]]
-        rows.append(segs)
-        position_ids[b] = torch.cat([torch.arange(s) for s in row_segments(segs, S)])
-    packed = any(len(segs) > 1 for segs in rows)
-    offsets, max_len = cu_seqlens(rows, S)
-    return {
-        "tokens": tokens,
-        "labels": labels,
-        "loss_mask": loss_mask,
-        "position_ids": position_ids,
-        "attention_mask": block_causal_mask(rows, S) if packed else causal_mask(S),
-        "cu_seqlens": offsets,
-        "max_seqlen": max_len,
-    }
+        segs = row_segments([int(s) for s in it["segment_lengths"]], S)
+        position_ids[b] = torch.cat([torch.arange(s) for s in segs])
+    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}

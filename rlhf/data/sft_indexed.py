@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from rlhf.data.chat import check_chat_template, encode_sft_record
 from rlhf.data.indexed import IndexedWriter, open_indexed, token_dtype
 from rlhf.data.jsonl import check_input_file, iter_lines, parse_line
 from rlhf.data.parallel import imap_chunks
@@ -66,8 +67,6 @@ def _init_worker(tokenizer: Any, seq_length: int) -> None:
 
 def _encode_chunk(chunk: list[tuple[int, str]]) -> list[tuple[int, Any, str | None]]:
     """(line number, (ids, mask) | None, error | None) per line; None without error means no loss tokens."""
-    from rlhf.data.sft import encode_sft_record
-
     out = []
     for lineno, line in chunk:
         obj, err = parse_line(line)
@@ -93,8 +92,6 @@ def preprocess_sft(
 ) -> tuple[str, PreprocessStats]:
     """Tokenise a conversations jsonl into the two indexed datasets above; return (prefix, stats)."""
     from tqdm import tqdm
-
-    from rlhf.data.chat import check_chat_template
 
     path = check_input_file(input_path)
     tok = load_tokenizer(tokenizer)

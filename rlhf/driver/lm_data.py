@@ -22,9 +22,7 @@ import torch
 
 from rlhf.config.schema import RunConfig
 from rlhf.errors import UserError
-from workers.batch import Batch
-
-LM_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+from workers.batch import LM_KEYS, Batch
 
 
 class SampleOrder:

@@ -12,8 +12,8 @@ def packed_and_unpacked_losses(
     (local spec) loaded with the HF weights of `model_dir`."""
     from transformers import AutoConfig
 
-    from workers.megatron.cpu_compat import causal_mask
     from workers.megatron.hf_weights import load_hf_weights
+    from workers.megatron.masks import causal_mask
     from workers.megatron.model_provider import build_gpt_model
 
     cfg = AutoConfig.from_pretrained(model_dir)
@@ -29,6 +29,6 @@ def packed_and_unpacked_losses(
         alone = []
         for s in samples:
             n = s["tokens"].numel()
-            loss = model(s["tokens"][None], s["position_ids"][None], causal_mask(n), labels=s["labels"][None])
+            loss = model(s["tokens"][None], s["position_ids"][None], causal_mask(n)[None, None], labels=s["labels"][None])
             alone.append(float((loss[0] * s["loss_mask"]).sum()))
     return packed, alone

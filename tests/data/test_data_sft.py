@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from rlhf.data.chat import tokenize_conversation
-from rlhf.data.packing import block_causal_mask, pack_lengths
+from rlhf.data.packing import pack_lengths
 from rlhf.data.sft import SFTDataset, collate_sft
 from rlhf.data.sft_indexed import preprocess_sft
 from rlhf.errors import UserError
 from tests.data.conftest import write_lines
+from workers.roles.lm import lm_attention_mask
 
 CONVERSATIONS = [
     {
@@ -104,6 +105,14 @@ def test_truncation_and_skipping(sft_file, tok_dir):
     assert all(ds[i]["loss_mask"].sum() > 0 for i in range(len(ds)))
 
 
+def _with_mask(batch: dict) -> dict:
+    """The batch plus the mask the worker builds from its positions and the segment bounds over the
+    flattened batch (a segment starts wherever its position is 0; padding is one more segment)."""
+    pos = batch["position_ids"]
+    bounds = (pos.flatten() == 0).nonzero().flatten().tolist() + [pos.numel()]
+    return dict(batch, attention_mask=lm_attention_mask(pos), cu_seqlens=torch.tensor(bounds))
+
+
 def _per_sample_losses(model, batch) -> list[float]:
     """Sum of the masked token losses of each packed segment, from one forward with the 4D mask."""
     mask = torch.zeros(batch["attention_mask"].shape, dtype=torch.float32)
@@ -132,7 +141,7 @@ def test_packing_keeps_each_sample_loss(sft_file, tok_dir):
             logits = model(input_ids=item["tokens"][None]).logits[0]
         loss = torch.nn.functional.cross_entropy(logits, item["labels"], reduction="none")
         reference.append(float((loss * item["loss_mask"]).sum()))
-    batch = packed.collate([packed[j] for j in range(len(packed))])
+    batch = _with_mask(packed.collate([packed[j] for j in range(len(packed))]))
     assert batch["attention_mask"].shape == (len(packed), 1, 96, 96)
     losses = _per_sample_losses(model, batch)
     got = {}
@@ -148,25 +157,20 @@ def test_packing_keeps_each_sample_loss(sft_file, tok_dir):
     # control: with a plain causal mask the later samples of a row see earlier ones, and losses change
     causal = dict(
         batch,
-        attention_mask=~torch.ones(96, 96, dtype=torch.bool)
-        .tril()[None, None]
-        .expand(len(packed), 1, 96, 96),
+        attention_mask=torch.ones(96, 96, dtype=torch.bool).triu(1)[None, None].expand(len(packed), 1, 96, 96),
     )
     assert max(abs(a - b) for a, b in zip(_per_sample_losses(model, causal), losses)) > 1e-3
 
 
-def test_collate_shapes_and_cu_seqlens(sft_file, tok_dir):
+def test_collate_shapes(sft_file, tok_dir):
     ds = SFTDataset(sft_file, tok_dir, seq_length=64)
     batch = collate_sft([ds[0], ds[1]], ds.pad_id)
     S = max(ds.lengths[0], ds.lengths[1])
     assert batch["tokens"].shape == batch["labels"].shape == batch["position_ids"].shape == (2, S)
     assert batch["loss_mask"].dtype == torch.float32 and batch["tokens"].dtype == torch.long
-    assert batch["attention_mask"].shape == (1, 1, S, S) and batch["attention_mask"].dtype == torch.bool
-    assert batch["attention_mask"][0, 0, 0, 1] and not batch["attention_mask"][0, 0, 1, 0]
+    assert set(batch) == {"tokens", "labels", "loss_mask", "position_ids"}
     n0, n1 = ds.lengths[0], ds.lengths[1]
     assert n0 < n1 == S
-    assert batch["cu_seqlens"].tolist() == [0, n0, S, 2 * S] and batch["cu_seqlens"].dtype == torch.int32
-    assert batch["max_seqlen"] == S
     assert batch["position_ids"][0].tolist() == list(range(n0)) + list(range(S - n0))
     assert batch["loss_mask"][0, n0:].sum() == 0 and (batch["tokens"][0, n0:] == ds.pad_id).all()
     fixed = ds.collate([ds[0]])
@@ -178,7 +182,7 @@ def test_packing_helpers():
     bins = pack_lengths(lengths, 10)
     assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
     assert all(sum(lengths[i] for i in b) <= 10 for b in bins) and len(bins) == 4
-    m = block_causal_mask([[2, 3]], 6)[0, 0]
+    m = lm_attention_mask(torch.tensor([[0, 1, 0, 1, 2, 0]]))[0, 0]  # segments 2, 3 and 1 padding
     allowed = ~m
     assert allowed[1, 0] and not allowed[2, 1] and allowed[4, 2] and not allowed[2, 3] and allowed[5, 5]
     assert not allowed[5, 4]  # the padding position is its own block
@@ -226,11 +230,10 @@ def test_bad_sft_input(tmp_path, tok_dir):
 def test_packing_keeps_each_sample_loss_through_megatron(sft_file, tok_dir):
     """The packed batch as the Megatron engine consumes it: local spec, bool [B,1,S,S] mask on CPU."""
     from tests.data.mcore_sft_fns import packed_and_unpacked_losses
-    from workers.megatron.testing import run_distributed
+    from workers.megatron.launch import run_distributed
 
     packed = SFTDataset(sft_file, tok_dir, seq_length=96, pack=True)
-    batch = packed.collate([packed[j] for j in range(len(packed))])
-    batch = {k: v for k, v in batch.items() if k != "max_seqlen"}
+    batch = _with_mask(packed.collate([packed[j] for j in range(len(packed))]))
     order = [i for row in packed.rows for i in row]
     samples = [packed.sample(i) for i in order]
     got, alone = run_distributed(packed_and_unpacked_losses, 1, args=(tok_dir, batch, samples))[0]

@@ -20,25 +20,37 @@ def tiny_gpt_config(tp: int = 1, pp: int = 1):
 
 
 def train_tiny_gpt(steps: int = 8, seed: int = 0) -> list[float]:
-    """Train a 2-layer local-spec GPTModel on a fixed batch; return the loss per step (TP-aware)."""
+    """Train a 2-layer local-spec GPTModel (our layer spec: attention mask type `arbitrary`, the mask passed
+    explicitly) on a fixed batch; return the loss per step (TP-aware)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.attention import Attention
+    from megatron.core.transformer.enums import AttnMaskType
 
-    from workers.megatron.cpu_compat import causal_mask
+    from workers.megatron.masks import causal_mask, follow_mask
+    from workers.megatron.model_provider import layer_spec
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     torch.manual_seed(seed)
     model = GPTModel(
-        config=tiny_gpt_config(tp), transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        config=tiny_gpt_config(tp), transformer_layer_spec=layer_spec(use_te=False),
         vocab_size=256, max_sequence_length=64, position_embedding_type="rope",
     )
+
+    def mask_types() -> set:
+        return {m.attn_mask_type for m in model.modules() if isinstance(m, Attention)}
+
+    assert mask_types() == {AttnMaskType.arbitrary}
+    follow_mask(model, None)
+    assert mask_types() == {AttnMaskType.causal}
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(123)
     ids = torch.randint(0, 256, (4, 33), generator=g)
     inputs, labels = ids[:, :-1], ids[:, 1:]
     pos = torch.arange(32).unsqueeze(0).expand(4, 32)
-    mask = causal_mask(32)
+    mask = causal_mask(32)[None, None]
+    follow_mask(model, mask)
+    assert mask_types() == {AttnMaskType.arbitrary}
     losses = []
     for _ in range(steps):
         opt.zero_grad()
@@ -50,17 +62,19 @@ def train_tiny_gpt(steps: int = 8, seed: int = 0) -> list[float]:
 
 
 def check_cpu_compat() -> dict:
-    """Exercise the compat layer in a fresh process: device rewriting, type names, threads, idempotence."""
+    """Exercise the compat layer in a spawned rank: device rewriting, type names, scope, idempotence."""
     import threading
+
+    from torch.overrides import _get_current_function_mode_stack
 
     from workers.megatron import cpu_compat
 
-    out: dict = {}
-    cpu_compat.apply_cpu_compat()
-    cpu_compat.apply_cpu_compat()  # idempotent
-    from torch.overrides import _get_current_function_mode_stack
+    def modes() -> int:
+        return sum(isinstance(m, cpu_compat.CpuDeviceMode) for m in _get_current_function_mode_stack())
 
-    out["modes_main"] = sum(isinstance(m, cpu_compat.CpuDeviceMode) for m in _get_current_function_mode_stack())
+    out: dict = {"applied": cpu_compat.apply_cpu_compat()}  # again (init_distributed applied it): no-op
+    with cpu_compat.cpu_device_mode():  # nested in the rank's mode: not entered twice
+        out["modes_main"] = modes()
     t = torch.zeros(3, device="cuda")
     out["device"] = str(t.device)
     out["cuda_noop"] = t.cuda() is t
@@ -69,15 +83,13 @@ def check_cpu_compat() -> dict:
     out["pinned"] = str(torch.empty(2, pin_memory=True).device)
     out["current_device"] = str(torch.cuda.current_device())
     torch.cuda.synchronize()
-    out["mask"] = cpu_compat.causal_mask(3).tolist()
 
-    @cpu_compat.on_cpu_device
-    def in_thread(res: dict) -> None:
-        res["thread_device"] = str(torch.ones(1, device="cuda").device)
-        cpu_compat.ensure_cpu_device_mode()
-        res["thread_modes"] = sum(
-            isinstance(m, cpu_compat.CpuDeviceMode) for m in _get_current_function_mode_stack()
-        )
+    def in_thread(res: dict) -> None:  # a new thread starts outside the mode; the block scopes it
+        res["thread_modes_before"] = modes()
+        with cpu_compat.cpu_device_mode():
+            res["thread_device"] = str(torch.ones(1, device="cuda").device)
+            res["thread_modes"] = modes()
+        res["thread_modes_after"] = modes()
 
     res: dict = {}
     th = threading.Thread(target=in_thread, args=(res,))
@@ -100,3 +112,47 @@ def check_cpu_compat() -> dict:
 def compat_then_train() -> tuple[dict, list[float]]:
     """`check_cpu_compat` then `train_tiny_gpt` in the same (single-rank) world, to spare a process."""
     return check_cpu_compat(), train_tiny_gpt()
+
+
+def masked_vs_alone_logits(hf_dir: str) -> dict:
+    """Largest |logit difference| between samples run alone and the same samples in a packed row
+    (block-causal mask) or a left-padded batch (padding mask), through `build_gpt_model` (the TE spec on
+    GPU with TE); `*_causal_type`: the same with the layers forced to the `causal` mask type."""
+    from transformers import AutoConfig
+
+    from workers.megatron.hf_weights import load_hf_weights
+    from workers.megatron.masks import causal_mask, follow_mask
+    from workers.megatron.model_provider import build_gpt_model, use_transformer_engine
+    from workers.roles.lm import lm_attention_mask
+    from workers.roles.micro import attention_mask_4d, position_ids
+
+    cfg = AutoConfig.from_pretrained(hf_dir)
+    model = build_gpt_model(cfg).eval()
+    load_hf_weights(model, hf_dir, cfg)
+    dev = next(model.parameters()).device
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randint(3, 400, (7,), generator=g), torch.randint(3, 400, (5,), generator=g)
+
+    def run(ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, mask_type_of: torch.Tensor | None) -> torch.Tensor:
+        follow_mask(model, mask_type_of)
+        with torch.no_grad():
+            out = model(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask.to(dev))
+        return out.float().cpu()
+
+    def alone(x: torch.Tensor) -> torch.Tensor:
+        n = x.numel()
+        return run(x[None], torch.arange(n)[None], causal_mask(n)[None, None], causal_mask(n))[0]
+
+    ref_a, ref_b = alone(a), alone(b)
+    pos = torch.cat([torch.arange(7), torch.arange(5)])[None]
+    attn = torch.tensor([[0, 0] + [1] * 5, [1] * 7])
+    padded_ids = torch.stack([torch.cat([torch.zeros(2, dtype=torch.long), b]), a])
+    out: dict = {"te": use_transformer_engine()}
+    for suffix, forced in (("", False), ("_causal_type", True)):
+        mask = lm_attention_mask(pos)
+        packed = run(torch.cat([a, b])[None], pos, mask, None if forced else mask)[0]
+        out["packed" + suffix] = max(float((packed[:7] - ref_a).abs().max()), float((packed[7:] - ref_b).abs().max()))
+        mask = attention_mask_4d(attn)
+        padded = run(padded_ids, position_ids(attn), mask, None if forced else mask)
+        out["padded" + suffix] = max(float((padded[0, 2:] - ref_b).abs().max()), float((padded[1] - ref_a).abs().max()))
+    return out

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from rlhf.cli import main as cli
 from rlhf.tiny_models import create_tiny_model
 from workers.megatron.hf_map import expected_hf_shapes
-from workers.megatron.testing import run_distributed
+from workers.megatron.launch import run_distributed
 
 
 def _pad_variant(src: Path, dst: Path, vocab: int) -> Path:

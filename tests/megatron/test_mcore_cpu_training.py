@@ -1,22 +1,30 @@
-"""Issue 2: megatron-core trains on CPU over gloo (one process, and TP=2 in two processes)."""
+"""megatron-core trains on CPU over gloo (one process, and TP=2 in two processes) through the CPU shim."""
 
 from __future__ import annotations
 
+import pytest
 from mcore_train_fns import compat_then_train, train_tiny_gpt
 
-from workers.megatron.testing import run_distributed
+from workers.megatron.cpu_compat import MCORE_VERSION, check_mcore_version
+from workers.megatron.launch import run_distributed
+
+
+def test_cpu_compat_refuses_another_megatron_core():
+    check_mcore_version()  # the installed one is the one the patches were written for
+    with pytest.raises(RuntimeError, match=rf"megatron-core {MCORE_VERSION} internals, but megatron-core 0.17.0 is"):
+        check_mcore_version("0.17.0")
 
 
 def test_cpu_compat_and_training_tp1_tp2():
     out, tp1 = run_distributed(compat_then_train, 1)[0]
-    # The compatibility layer, in a fresh process (it patches process-wide and per thread).
-    assert out["modes_main"] == 1
+    # The compatibility layer, in a fresh process (patched process-wide once, device mode per block).
+    assert out["applied"] is True and out["modes_main"] == 1
     assert out["device"] == "cpu" and out["to_cuda"] == "cpu" and out["pinned"] == "cpu"
     assert out["cuda_noop"] is True
     assert out["type"] == "torch.cuda.FloatTensor"
     assert out["current_device"] == "cpu"
-    assert out["mask"] == [[[[False, True, True], [False, False, True], [False, False, False]]]]
     assert out["thread_device"] == "cpu" and out["thread_modes"] == 1
+    assert out["thread_modes_before"] == out["thread_modes_after"] == 0
     assert out["fork_advances"] and out["fork_restores"]
     # A 2-layer local-spec GPT trains with a falling loss in one process ...
     assert tp1[-1] < tp1[0] - 1.0, tp1

@@ -19,13 +19,13 @@ def env(tmp_path_factory, tiny_model_factory):
     import ray
 
     from workers.group import WorkerGroup
-    from workers.rollout.testing import policy_worker_cls
+    from workers.roles.policy import PolicyWorker
 
     path = tiny_model_factory("tiny-qwen2")
     ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     policy = None
     try:
-        policy = WorkerGroup("policy", policy_worker_cls(), tp=1, name="gpu-sync-policy", num_cpus_per_worker=0.5,
+        policy = WorkerGroup("policy", PolicyWorker, tp=1, name="gpu-sync-policy", num_cpus_per_worker=0.5,
                              num_gpus_per_worker=0.4, timeout_s=300, log_dir=tmp_path_factory.mktemp("logs"),
                              init_kwargs={"model_path": path, "micro_batch_size": 8, "optim": {"lr": 1e-2}})
         yield {"path": path, "policy": policy, "tmp": tmp_path_factory}

@@ -7,8 +7,8 @@ import torch
 
 from workers.rollout.buckets import BucketPacker, group_key, unpack
 from workers.rollout.config import EngineConfig
+from workers.rollout.registry import TRANSPORTS, choose_transport
 from workers.rollout.sampling import SamplingConfig
-from workers.rollout.transport import choose_transport
 
 
 @pytest.mark.parametrize(
@@ -39,16 +39,55 @@ def test_engine_config_validation():
 
 
 def test_transport_is_chosen_in_one_place():
-    assert choose_transport(on_gpu=False, colocated=True) == "gloo"
-    assert choose_transport(on_gpu=True, colocated=True) == "cuda_ipc"
-    assert choose_transport(on_gpu=True, colocated=False) == "nccl"
+    def name(**kw) -> str:
+        return choose_transport(**kw).name
+
+    assert name(on_gpu=False, colocated=True) == "gloo"
+    assert name(on_gpu=True, colocated=True) == "cuda_ipc"
+    assert name(on_gpu=True, colocated=False) == "nccl"
     with pytest.raises(ValueError, match="needs CUDA"):
         choose_transport(on_gpu=False, colocated=False, override="nccl")
-    assert choose_transport(on_gpu=False, colocated=False, same_host=True) == "shm"
-    assert choose_transport(on_gpu=False, colocated=False, override="gloo", same_host=True) == "gloo"
-    assert choose_transport(on_gpu=True, colocated=True, same_host=True) == "cuda_ipc"
+    with pytest.raises(ValueError, match="unknown weight-sync transport 'tcp'"):
+        choose_transport(on_gpu=False, colocated=False, override="tcp")
+    assert name(on_gpu=False, colocated=False, same_host=True) == "shm"
+    assert name(on_gpu=False, colocated=False, override="gloo", same_host=True) == "gloo"
+    assert name(on_gpu=True, colocated=True, same_host=True) == "cuda_ipc"
     with pytest.raises(ValueError, match="one host"):
         choose_transport(on_gpu=False, colocated=False, override="shm", same_host=False)
+    asked = []  # a same-host check runs only when shm is a candidate, strict when shm was named
+
+    def check(strict: bool) -> bool:
+        asked.append(strict)
+        return True
+
+    assert name(on_gpu=True, colocated=False, same_host=check) == "nccl"
+    assert name(on_gpu=False, colocated=False, override="gloo", same_host=check) == "gloo"
+    assert name(on_gpu=False, colocated=False, same_host=check) == "shm"
+    assert name(on_gpu=False, colocated=False, override="shm", same_host=check) == "shm"
+    assert asked == [False, True]
+    assert {n: t.name for n, t in TRANSPORTS.items()} == {n: n for n in ("shm", "gloo", "nccl", "cuda_ipc")}
+
+
+def test_transport_owns_its_control_keys():
+    """A receiver deletes the control keys of its previous sync at the start of the next one; keys another
+    transport object remembered (another process) stay."""
+    from workers.rollout.control import SyncEndpoint
+    from workers.rollout.transport import SyncSession
+    from workers.rollout.weight_sync import GlooTransport
+
+    endpoint = SyncEndpoint.open("127.0.0.1")
+    session = SyncSession(1, GlooTransport, endpoint.host, endpoint.port, num_receivers=1, source_ranks=[0],
+                          timeout_s=5.0)
+    mine, other = GlooTransport(), GlooTransport()
+    for key in ("a", "b", "c"):
+        endpoint.store.set(key, b"1")
+    mine.remember(session, 1, "a", "b")
+    other.remember(session, 1, "c")
+    mine.forget_old_keys(session, 1)
+    assert [endpoint.store.check([k]) for k in ("a", "b", "c")] == [False, False, True]
+    mine.forget_old_keys(session, 1)  # nothing left to delete
+    mine.drop(session)
+    assert GlooTransport.local() is GlooTransport.local() is not mine
 
 
 def test_sync_config_from_the_run_config():
@@ -64,7 +103,7 @@ def test_sync_config_from_the_run_config():
 def test_shm_layout_keeps_fused_weights_back_to_back():
     """q/k/v (weights and biases) and gate/up follow each other without padding, so the engine's fused
     tensors are views of the file (zero copy needs that); every other tensor starts aligned."""
-    from workers.rollout.shm import ALIGN, ShmLayout
+    from workers.rollout.cpu.shm_file import ALIGN, ShmLayout
 
     p = "model.layers.0."
     shapes = {"model.embed_tokens.weight": (33, 8), p + "self_attn.q_proj.weight": (8, 8),
@@ -134,7 +173,7 @@ def test_shm_layout_views_and_stale_files(tmp_path):
     import os
     import pickle
 
-    from workers.rollout import shm
+    from workers.rollout.cpu import shm_file as shm
 
     shapes = {"a.weight": (3, 5), "b.bias": (7,), "c.weight": (2, 2)}
     layout = shm.ShmLayout.from_shapes(shapes, "bfloat16")

@@ -7,13 +7,17 @@ sync (verified), train one step, show the engine is stale, sync, show it matches
 
 from __future__ import annotations
 
+import datetime
 import os
+import sys
+import time
 
 import pytest
 import ray
 import torch
 
 from workers.group import WorkerGroup
+from workers.roles.policy import PolicyWorker
 from workers.rollout import (
     EngineConfig,
     RolloutGroup,
@@ -22,13 +26,14 @@ from workers.rollout import (
     WeightSyncError,
     WeightSyncTimeout,
 )
-from workers.rollout.testing import policy_worker_cls
+from workers.rollout.cpu.shm import ShmTransport
+from workers.rollout.weight_sync import GlooTransport
 
 LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
 PROMPTS = ["hello world", [{"role": "user", "content": "What is 2+3?"}], "one two three", "the answer"]
 SAMPLING = SamplingConfig(n=2, max_tokens=12, temperature=1.0, seed=5)
 
-POLICY_CLS = policy_worker_cls()
+POLICY_CLS = PolicyWorker
 
 
 @pytest.fixture(scope="module")
@@ -87,11 +92,12 @@ def test_sync_after_a_train_step_matches_the_policy(env, layout, transport):
     stats = rollout.sync_weights(policy, cfg)  # first sync with this policy: verified by default
     assert stats["sync/verify_max_abs_diff"] <= 1e-3
     syncer = rollout._syncers[id(policy)]
-    assert syncer.transport == name
+    assert syncer.transport.name == name
     if name == "gloo":
         assert stats["sync/buckets"] > 1 and stats["sync/max_bucket_mb"] <= 0.5
-    else:  # the whole model in one shared file, every tensor written exactly once across the ranks
-        assert os.path.getsize(syncer.shm_path) >= stats["sync/bytes"] > 1 << 20
+    else:  # the whole model in one shared file, every tensor written exactly once across the ranks; no buckets
+        assert os.path.getsize(syncer.transport.path) >= stats["sync/bytes"] > 1 << 20
+        assert "sync/buckets" not in stats and "sync/max_bucket_mb" not in stats
         assert stats["sync/direct_load"] == float(direct)  # tiny-qwen2 (tied, qkv bias): load_direct knows it
         assert stats["sync/zero_copy"] == float(shared)
 
@@ -113,14 +119,73 @@ def test_sync_after_a_train_step_matches_the_policy(env, layout, transport):
         rollout.sync_weights(policy, SyncConfig(transport="shm", timeout_s=60), verify=True)
 
 
-@pytest.mark.parametrize("transport", [None, "gloo", "shm"])  # None: the default on this machine
-def test_stalled_transport_times_out_naming_ranks(env, transport):
+STALL_TIMEOUT_S = 2.0
+
+
+def _stall(session) -> None:
+    """Block the sender until an engine gave up on this sync (`_released`), at most 10x the timeout."""
+    store = torch.distributed.TCPStore(session.host, session.port, None, False,
+                                       timeout=datetime.timedelta(seconds=10 * session.timeout_s))
+    try:
+        store.wait([session.key(0, "test/released")])
+    except Exception:  # noqa: BLE001 - never released: the stall ends anyway
+        pass
+
+
+def _released(session) -> None:
+    store = torch.distributed.TCPStore(session.host, session.port, None, False,
+                                       timeout=datetime.timedelta(seconds=10))
+    store.set(session.key(0, "test/released"), b"1")
+
+
+class _ReleasesOnReturn:
+    """The engine side: whatever happened, let a stalled sender go on."""
+
+    def receive(self, vworker, session, engine_rank, tp):
+        try:
+            return super().receive(vworker, session, engine_rank, tp)
+        finally:
+            _released(session)
+
+
+class StalledGloo(_ReleasesOnReturn, GlooTransport):
+    """gloo whose stage-0 source stalls before bucket 1 (the engine has loaded bucket 0 by then)."""
+
+    def send_bucket(self, out, buf, meta):
+        if out.stage == 0 and meta.index == 1:
+            _stall(out.session)
+        super().send_bucket(out, buf, meta)
+
+
+class StalledShm(_ReleasesOnReturn, ShmTransport):
+    """shm whose stage-0 source rank stalls before writing anything."""
+
+    def send(self, worker, session):
+        if worker.ctx.rank == session.source_ranks[0]:
+            _stall(session)
+        return super().send(worker, session)
+
+
+@pytest.fixture
+def stalled():
+    """The stalled transports; Ray pickles them by value, so the policy and engine actors get them too."""
+    module = sys.modules[__name__]
+    ray.cloudpickle.register_pickle_by_value(module)
+    yield {"gloo": StalledGloo, "shm": StalledShm}
+    ray.cloudpickle.unregister_pickle_by_value(module)
+
+
+@pytest.mark.parametrize("transport", ["gloo", "shm"])
+def test_stalled_transport_times_out_naming_ranks(env, stalled, transport):
     rollout, policy = env["rollout"], env["policy"]("tp1")
     rollout.sync_weights(policy, SyncConfig(bucket_mb=0.5, timeout_s=60, transport=transport), verify=False)
+    t0 = time.monotonic()
     with pytest.raises(WeightSyncTimeout) as err:
-        rollout.sync_weights(policy, stall_s=4.0, timeout_s=1.0)
+        rollout.sync_weights(policy, transport=stalled[transport], timeout_s=STALL_TIMEOUT_S)
+    assert time.monotonic() - t0 >= STALL_TIMEOUT_S  # the engine waited its full timeout, then gave up
     msg = str(err.value)
     assert "rollout rank 0" in msg and "policy rank 0" in msg and "timed out" in msg
+    assert f"timeout {STALL_TIMEOUT_S:g}s" in msg
     with pytest.raises(Exception, match="failed midway"):  # a half-updated engine refuses to generate
         rollout.generate(PROMPTS, SAMPLING)
     stats = rollout.sync_weights(policy, verify=True)  # and a later sync recovers
@@ -136,11 +201,10 @@ def test_zero_copy_needs_the_shm_transport(env):
 def test_shm_file_is_removed_with_its_syncer(env):
     rollout, policy = env["rollout"], env["policy"]("tp2")
     rollout.sync_weights(policy, SyncConfig(transport="shm", timeout_s=60), verify=False)
-    syncer = rollout._syncers[id(policy)]
-    path = syncer.shm_path
+    path = rollout._syncers[id(policy)].transport.path
     assert os.path.exists(path)
     rollout.sync_weights(policy, SyncConfig(transport="shm", timeout_s=60), verify=True)  # a new syncer
-    assert not os.path.exists(path) and os.path.exists(rollout._syncers[id(policy)].shm_path)
+    assert not os.path.exists(path) and os.path.exists(rollout._syncers[id(policy)].transport.path)
 
 
 def test_shm_direct_load_of_an_untied_model_without_bias(env, tiny_model_factory, tmp_path):

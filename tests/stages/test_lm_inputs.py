@@ -79,14 +79,20 @@ def test_sample_order_resumes_and_reshuffles():
     assert SampleOrder([7, 8], seed=0, shuffle=False).take(3) == [7, 8, 7]
 
 
-def test_packed_mask_from_positions_matches_collate(lm_inputs):
+def test_packed_mask_from_positions(lm_inputs):
     from rlhf.data.sft import SFTDataset
     from workers.roles.lm import lm_attention_mask
 
     ds = SFTDataset(lm_inputs["sft_train"], lm_inputs["model"], 64, pack=True)
     batch = ds.collate([ds[i] for i in range(4)])
-    assert batch["attention_mask"].shape[0] == 4  # packed: block-diagonal per row
-    assert torch.equal(lm_attention_mask(batch["position_ids"]), batch["attention_mask"])
+    expected = []  # causal within each packed sample (and the padding tail), blocked across them
+    for row in ds.rows[:4]:
+        lengths = [ds.lengths[i] for i in row]
+        seg = torch.repeat_interleave(torch.arange(len(lengths) + 1), torch.tensor([*lengths, 64 - sum(lengths)]))
+        allowed = torch.ones(64, 64, dtype=torch.bool).tril() & (seg[:, None] == seg[None, :])
+        expected.append(~allowed)
+    assert any(len(row) > 1 for row in ds.rows[:4])
+    assert torch.equal(lm_attention_mask(batch["position_ids"]), torch.stack(expected)[:, None])
     plain = torch.arange(8).repeat(3, 1)
     assert torch.equal(lm_attention_mask(plain), torch.ones(8, 8, dtype=torch.bool).triu(1)[None, None])
 

@@ -24,6 +24,7 @@ from workers.group import (
     WorkerGroupError,
     WorkerTimeoutError,
 )
+from workers.group.wait import wait_all
 
 
 class Toy(Worker):
@@ -144,7 +145,7 @@ def test_dead_rank_while_others_wait_in_collective(cluster):
         t0 = time.monotonic()
         with pytest.raises(WorkerDiedError) as err:
             fut.get()
-        assert time.monotonic() - t0 < 30
+        assert time.monotonic() - t0 < 60  # noticed, not timed out (the group's timeout is 120 s)
         msg = str(err.value)
         assert "role 'doomed' rank 1 (doomed/dp1-tp0-pp0)" in msg and g.infos[1]["node_ip"] in msg
         assert "last log lines" in msg and "joined the world" in msg
@@ -160,9 +161,45 @@ def test_timeout(cluster):
         t0 = time.monotonic()
         with pytest.raises(WorkerTimeoutError, match="did not finish within 1s"):
             g.sleep_then_barrier.remote(30.0).get(timeout_s=1.0)
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 15  # the 1 s timeout, not the 30 s sleep
     finally:
         g.shutdown()
+
+
+def test_shared_wait_reports_failures_by_index_and_stops_when_on_poll_raises(cluster):
+    """The loop under every group's wait (worker ranks and rollout engines alike)."""
+
+    @ray.remote(num_cpus=0)
+    def task(seconds: float, fail: bool) -> float:
+        time.sleep(seconds)
+        if fail:
+            raise ValueError("boom")
+        return seconds
+
+    seen: dict[str, list] = {}
+
+    def on_failure(failures, pending):
+        seen["failures"], seen["pending"] = [(i, type(e.cause).__name__) for i, e in failures], pending
+        return WorkerGroupError("failed")
+
+    def on_timeout(pending):
+        return WorkerTimeoutError(f"stuck {pending}")
+
+    assert wait_all([task.remote(0.1, False), task.remote(0.2, False)], 30, on_failure, on_timeout) == [0.1, 0.2]
+    with pytest.raises(WorkerGroupError, match="failed"):
+        wait_all([task.remote(30, False), task.remote(0.1, True)], 60, on_failure, on_timeout)
+    assert seen == {"failures": [(1, "ValueError")], "pending": [0]}
+    with pytest.raises(WorkerTimeoutError, match=r"stuck \[0\]"):
+        wait_all([task.remote(30, False), task.remote(0.1, False)], 2, on_failure, on_timeout)
+    t0 = time.monotonic()
+
+    def on_poll():
+        if time.monotonic() - t0 > 1.0:
+            raise RuntimeError("the other side failed")
+
+    with pytest.raises(RuntimeError, match="other side"):
+        wait_all([task.remote(30, False)], 60, on_failure, on_timeout, on_poll=on_poll)
+    assert time.monotonic() - t0 < 15  # on_poll ended the wait, not the 30 s task
 
 
 def test_impossible_resources_fail_fast(cluster):
@@ -174,7 +211,7 @@ def test_impossible_resources_fail_fast(cluster):
     # fits the cluster but not what is free right now (the module's group holds 2 CPUs): bounded wait
     with pytest.raises(ResourceUnavailableError, match="not ready after 3s"):
         WorkerGroup("busy-role", Toy, dp=3, num_cpus_per_worker=1.0, timeout_s=3, log_dir=cluster)
-    assert time.monotonic() - t0 < 20
+    assert time.monotonic() - t0 < 45  # no wait for the pool's 60 s start-up bound on the first two
 
 
 def test_colocated_roles_share_a_pool(cluster):

@@ -165,7 +165,7 @@ def test_dead_rank_fails_fast_with_identity(env):
     t0 = time.monotonic()
     with pytest.raises(WorkerDiedError) as err:
         g.compute_logprobs(make_rl_batch(n=4, seed=7))
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 60  # noticed, not timed out (the group's timeout is 120 s)
     msg = str(err.value)
     assert "role 'policy'" in msg and "rank 1" in msg and victim["name"] in msg and victim["node_ip"] in msg
     assert "last log lines" in msg and "started: pid" in msg

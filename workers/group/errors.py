@@ -1,6 +1,13 @@
-"""Errors raised by worker groups; each names the role and rank it is about."""
+"""Errors raised by worker groups (every role, the rollout engines included) and the words that name a rank.
+
+Every failure of a role derives from `WorkerGroupError`, so the CLI reports all of them the same way: one
+line naming the role, rank, node and pid, and exit code 2.
+"""
 
 from __future__ import annotations
+
+import re
+from typing import Any
 
 
 class WorkerGroupError(RuntimeError):
@@ -17,3 +24,17 @@ class WorkerTimeoutError(WorkerGroupError, TimeoutError):
 
 class ResourceUnavailableError(WorkerGroupError):
     """The cluster cannot hold the resources a group asked for."""
+
+
+def describe_rank(role: str, rank: int, name: str, info: dict[str, Any]) -> str:
+    """"role 'policy' rank 1 (policy/dp1-tp0-pp0) on node 10.0.0.2 (3f2a9c1e), pid 4242"; `info` holds
+    `node_ip`, `node_id` and `pid` once the rank has reported them (before that the node is '?')."""
+    where = f"node {info['node_ip']} ({info['node_id'][:8]}), pid {info['pid']}" if "node_ip" in info else "node ?"
+    return f"role {role!r} rank {rank} ({name}) on {where}"
+
+
+def first_lines(text: str, n: int) -> str:
+    """The first `n` lines of a (remote) error text, without colour codes and caret-only lines."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
+    lines = [ln for ln in text.strip().splitlines() if ln.strip().strip("^~")]
+    return "\n".join(lines[:n]) + (f"\n... ({len(lines) - n} more lines)" if len(lines) > n else "")

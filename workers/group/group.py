@@ -14,8 +14,6 @@ blocked in a collective (results are polled with `ray.wait`, never waited on one
 from __future__ import annotations
 
 import logging
-import re
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,12 +31,18 @@ from workers.dispatch import (
     get_spec,
     split_dp_args,
 )
-from workers.group.errors import WorkerDiedError, WorkerGroupError, WorkerTimeoutError
+from workers.group.errors import (
+    WorkerDiedError,
+    WorkerGroupError,
+    WorkerTimeoutError,
+    describe_rank,
+    first_lines,
+)
 from workers.group.pool import ResourcePool
+from workers.group.wait import Failure, is_death, settle, wait_all
 from workers.group.worker import WorkerContext, layout_of, tail_file
 
 log = logging.getLogger("workers")
-_POLL_S = 0.5
 _GRACE_S = 2.0  # after one rank fails, how long the others get to finish before the group is marked broken
 
 
@@ -210,10 +214,6 @@ class WorkerGroup:
                                  f"(decorate it with workers.dispatch.register)")
         return _Method(self, name, spec)
 
-    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """`group.call('m', ...)` is `group.m(...)`."""
-        return getattr(self, method)(*args, **kwargs)
-
     def _submit(self, method: str, spec: DispatchSpec, args: Sequence[Any], kwargs: dict[str, Any]) -> GroupFuture:
         if self._broken:
             raise WorkerGroupError(f"{self.name}: the group is unusable after an earlier failure; "
@@ -246,58 +246,45 @@ class WorkerGroup:
     def _wait(self, refs: list, ranks: list[int], timeout_s: float | None, what: str) -> list[Any]:
         """Results of `refs` (one per rank in `ranks`); raises on the first failure or at the deadline."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        index = {ref: i for i, ref in enumerate(refs)}
-        results: list[Any] = [None] * len(refs)
-        pending = list(refs)
-        deadline = time.monotonic() + timeout_s
-        while pending:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                stuck = [ranks[index[r]] for r in pending]
-                self._broken = f"{what} timed out after {timeout_s:g}s on ranks {stuck}"
-                raise WorkerTimeoutError(f"{what} did not finish within {timeout_s:g}s; still running on "
-                                         + "; ".join(self._describe(r) for r in stuck) + self._tails(stuck))
-            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=min(remaining, _POLL_S))
-            failures = []
-            for ref in ready:
-                try:
-                    results[index[ref]] = ray.get(ref)
-                except Exception as exc:  # noqa: BLE001 - re-raised with the rank's identity
-                    failures.append((ranks[index[ref]], exc))
-            if failures:
-                self._raise_failure(failures, what, pending, index, ranks)
-        return results
 
-    def _raise_failure(self, failures: list, what: str, pending: list, index: dict, ranks: list[int]) -> None:
-        """Raise for the most telling failure: a dead rank before one that only lost its peer."""
-        if pending and not any(isinstance(e, ray.exceptions.RayActorError) for _, e in failures):
+        def timed_out(pending: list[int]) -> BaseException:
+            stuck = [ranks[i] for i in pending]
+            self._broken = f"{what} timed out after {timeout_s:g}s on ranks {stuck}"
+            return WorkerTimeoutError(f"{what} did not finish within {timeout_s:g}s; still running on "
+                                      + "; ".join(self._describe(r) for r in stuck) + self._tails(stuck))
+
+        def failed(failures: list[Failure], pending: list[int]) -> BaseException:
+            return self._failure(refs, ranks, failures, pending, what)
+
+        return wait_all(refs, timeout_s, failed, timed_out)
+
+    def _failure(self, refs: list, ranks: list[int], failures: list[Failure], pending: list[int],
+                 what: str) -> BaseException:
+        """The error for the most telling failure: a dead rank before one that only lost its peer."""
+        if pending and not any(is_death(e) for _, e in failures):
             # The others may finish (a symmetric failure) or be stuck in a collective with a dead peer.
-            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=_GRACE_S)
-            for ref in ready:
-                try:
-                    ray.get(ref)
-                except Exception as exc:  # noqa: BLE001
-                    failures.append((ranks[index[ref]], exc))
-        failures.sort(key=lambda f: not isinstance(f[1], ray.exceptions.RayActorError))
-        rank, exc = failures[0]
-        died = isinstance(exc, ray.exceptions.RayActorError)
+            more, pending = settle(refs, pending, _GRACE_S)
+            failures = failures + more
+        by_rank = sorted(((ranks[i], e) for i, e in failures), key=lambda f: not is_death(f[1]))
+        rank, exc = by_rank[0]
+        died = is_death(exc)
         head = f"{what} failed on {self._describe(rank)}"
         if died:
-            msg = f"{head}: the actor died ({type(exc).__name__}: {_first_lines(str(exc), 6)})"
+            msg = f"{head}: the actor died ({type(exc).__name__}: {first_lines(str(exc), 6)})"
         else:
-            msg = f"{head}: {type(exc).__name__}: {_first_lines(str(exc), 60)}"
-        others = sorted({r for r, _ in failures[1:]} - {rank})
+            msg = f"{head}: {type(exc).__name__}: {first_lines(str(exc), 60)}"
+        others = sorted({r for r, _ in by_rank[1:]} - {rank})
         if others:
             msg += f"\n(also failed on ranks {others})"
         if died or pending:
             self._broken = f"{head} ({'actor died' if died else 'other ranks still blocked'})"
         msg += self._tails([rank])
-        raise (WorkerDiedError if died else WorkerGroupError)(msg) from exc
+        err = (WorkerDiedError if died else WorkerGroupError)(msg)
+        err.__cause__ = exc
+        return err
 
     def _describe(self, rank: int) -> str:
-        info = self.infos[rank] if rank < len(self.infos) else {}
-        where = f"node {info['node_ip']} ({info['node_id'][:8]}), pid {info['pid']}" if "node_ip" in info else "node ?"
-        return f"role {self.role!r} rank {rank} ({self.names[rank]}) on {where}"
+        return describe_rank(self.role, rank, self.names[rank], self.infos[rank] if rank < len(self.infos) else {})
 
     def _tails(self, ranks: list[int], lines: int = 20) -> str:
         out = []
@@ -314,11 +301,6 @@ class WorkerGroup:
     @property
     def actors(self) -> list:
         return list(self._actors)
-
-    def check_alive(self, timeout_s: float = 10.0) -> None:
-        """Ping every rank; raises WorkerDiedError / WorkerTimeoutError naming the first bad one."""
-        self._wait([a.ping.remote() for a in self._actors], list(range(self.world_size)), timeout_s,
-                   f"{self.name}.ping")
 
     def shutdown(self) -> None:
         """Kill the actors and give their resources back (safe to call twice)."""
@@ -343,11 +325,4 @@ class WorkerGroup:
 
     def __repr__(self) -> str:
         return f"WorkerGroup({self.name!r}, tp={self.tp}, pp={self.pp}, dp={self.dp})"
-
-
-def _first_lines(text: str, n: int) -> str:
-    """The first `n` lines of a (remote) error text, without colour codes and caret-only lines."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
-    lines = [ln for ln in text.strip().splitlines() if ln.strip().strip("^~")]
-    return "\n".join(lines[:n]) + (f"\n... ({len(lines) - n} more lines)" if len(lines) > n else "")
 

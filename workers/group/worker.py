@@ -47,24 +47,19 @@ def layout_of(rank: int, tp: int, pp: int, dp: int) -> tuple[int, int, int]:
     return (rank // tp) % dp, rank % tp, rank // (tp * dp)
 
 
-class _Tee:
-    """Write to the original stream and to the log file."""
-
-    def __init__(self, stream: Any, file: Any) -> None:
-        self._stream, self._file = stream, file
-
-    def write(self, s: str) -> int:
-        if not s.startswith((":actor_name:", ":task_name:")):
-            self._file.write(s)
-        self._file.flush()
-        return self._stream.write(s)
-
-    def flush(self) -> None:
-        self._file.flush()
-        self._stream.flush()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
+def redirect_output(path: str | Path) -> Any:
+    """Send this process's stdout and stderr (file descriptors 1 and 2, so C++ and library output too)
+    to the log file at `path` and return it, line-buffered. For actors only: the driver's console then
+    shows the run's own progress, and each rank's chatter (megatron, vLLM, warnings) stays in its log."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    file = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the actor
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(file.fileno(), 1)
+    os.dup2(file.fileno(), 2)
+    faulthandler.enable(file=file, all_threads=True)
+    return file
 
 
 class Worker:
@@ -115,9 +110,6 @@ class Worker:
             s.bind((host, 0))
             return s.getsockname()[1]
 
-    def ping(self) -> str:
-        return self.ctx.name
-
     # ---- world --------------------------------------------------------------------------------
     def init_world(self, master_addr: str, master_port: int) -> dict[str, Any]:
         """Join the torch.distributed world, then `setup()`; returns `rank_info()` (actual layout)."""
@@ -165,21 +157,13 @@ class Worker:
 
         return contextlib.nullcontext()
 
-    def tail_log(self, lines: int = 30) -> str:
-        return tail_file(self.ctx.log_path, lines)
-
     def _setup_logging(self) -> None:
-        path = Path(self.ctx.log_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._log_file = open(path, "a", buffering=1)  # noqa: SIM115 - lives as long as the actor
+        self._log_file = redirect_output(self.ctx.log_path)
         handler = logging.StreamHandler(self._log_file)
         handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s [{self.ctx.name}] %(name)s: %(message)s"))
         root = logging.getLogger()
         root.addHandler(handler)
         root.setLevel(logging.INFO)
-        sys.stdout = _Tee(sys.stdout, self._log_file)
-        sys.stderr = _Tee(sys.stderr, self._log_file)
-        faulthandler.enable(file=self._log_file, all_threads=True)
 
 
 def set_niceness(value: int) -> None:

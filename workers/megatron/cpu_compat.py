@@ -1,55 +1,43 @@
-"""Run megatron-core on CPU over gloo: the patches for its CUDA assumptions, applied only without CUDA.
+"""Run megatron-core 0.16.1 on CPU over gloo: the patches for its CUDA assumptions, only without CUDA.
 
-Every patch is a no-op when `torch.cuda.is_available()`; GPU runs are untouched. Why each one exists
-(measured on megatron-core 0.16.1, see shared/notes/stack.md):
+Written against megatron-core 0.16.1's internals (`tensor_parallel.random`); `apply_cpu_compat()` raises
+on any other installed version rather than patching code it was not checked against. With CUDA nothing
+here does anything.
 
-Process-wide, by `apply_cpu_compat()` (idempotent):
-- `torch.cuda.current_device()` is called at ~100 sites (GlobalMemoryBuffer, TP mappings, RoPE, p2p)
-  and used as a `device=`; it returns the CPU device.
-- `torch.cuda.synchronize()` raises without CUDA; it becomes a no-op.
-- `torch.cuda.manual_seed()` seeds the "default" CUDA generator in `model_parallel_cuda_manual_seed`;
-  on CPU the CPU generator plays that role.
-- `tensor_parallel.random._get_cuda_rng_state` / `_set_cuda_rng_state` read and write the CUDA
-  generator; they use the CPU generator.
-- `CudaRNGStatesTracker.add` seeds through the CUDA generator, and `.fork` (entered by attention even
-  with dropout 0 and by weight init) warns whenever the CPU generator moves inside it, which on CPU is
-  always; both are replaced by CPU-generator versions with the same semantics.
-
-Per thread, by the `CpuDeviceMode` TorchFunctionMode (`cpu_device_mode()`, `ensure_cpu_device_mode()`,
-`@on_cpu_device`):
-- Hard-coded `device='cuda'` in the pipeline schedules, optimizer (found_inf), grad scaler, clip_grads
-  and param_and_grad_buffer: any `device=` that names CUDA is rewritten to CPU, as are CUDA targets
-  of `Tensor.to(...)`.
-- `Tensor.cuda()` returns the tensor itself; `pin_memory=True` is dropped and `Tensor.pin_memory()`
-  returns the tensor.
-- Asserts such as `param.grad.type() == 'torch.cuda.FloatTensor'` (clip_grads, DistributedOptimizer):
-  `Tensor.type()` reports `torch.cuda.*` names, and `Tensor.type('torch.cuda.X')` means `torch.X`.
-
-TorchFunctionModes are thread-local. A process enters the mode in its main thread; code that may run
-in other threads (Ray actor methods, thread pools) uses `@on_cpu_device` on its entry points or calls
-`ensure_cpu_device_mode()` first thing in the thread. Entering is idempotent per thread.
-
-Also `causal_mask(seq_len)`: megatron's `get_default_causal_mask` builds a CUDA tensor when no mask is
-passed, so CPU callers pass this explicit boolean mask.
+Scope, in two parts:
+- Process-wide, once: `apply_cpu_compat()`, called only by `workers.megatron.parallel.init_distributed`
+  (every process that runs megatron goes through it; repeated calls do nothing).
+  - `torch.cuda.current_device()` (~100 call sites, used as a `device=`) returns the CPU device;
+    `torch.cuda.synchronize()` is a no-op; `torch.cuda.manual_seed()` seeds the CPU generator.
+  - `tensor_parallel.random._get_cuda_rng_state` / `_set_cuda_rng_state` use the CPU generator, and
+    `CudaRNGStatesTracker.add` / `.fork` are CPU-generator versions with the same semantics (the
+    originals seed the CUDA generator and warn whenever the CPU one moves inside a fork).
+- Per block of code: `cpu_device_mode()`, a TorchFunctionMode entered for the duration of a `with`
+  (TorchFunctionModes are thread-local). The Megatron workers enter it around every actor method
+  (`MegatronWorker.call_context`), `workers.megatron.launch` around each spawned rank's work.
+  - Any `device=` naming CUDA (pipeline schedules, optimizer found_inf, grad scaler, clip_grads, grad
+    buffers) and CUDA targets of `Tensor.to` become CPU; `Tensor.cuda()` and `Tensor.pin_memory()`
+    return the tensor; `pin_memory=True` is dropped.
+  - `Tensor.type()` reports `torch.cuda.*` names (asserts in clip_grads and DistributedOptimizer), and
+    `Tensor.type('torch.cuda.X')` means `torch.X`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
+import importlib.metadata
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
-F = TypeVar("F", bound=Callable[..., Any])
+MCORE_VERSION = "0.16.1"  # the megatron-core whose internals the patches below replace
 
 _CPU = torch.device("cpu")
 _applied = False
 _apply_lock = threading.Lock()
-_tls = threading.local()
 
 
 def cuda_absent() -> bool:
@@ -143,16 +131,22 @@ def _tracker_fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
         self._current_state_name = orig_name
 
 
-def apply_cpu_compat() -> bool:
-    """Apply the process-wide patches when CUDA is absent; idempotent. Returns True if patches are active.
+def check_mcore_version(installed: str | None = None) -> None:
+    """Raise RuntimeError unless megatron-core is the version these patches were written for."""
+    installed = installed or importlib.metadata.version("megatron-core")
+    if installed != MCORE_VERSION:
+        raise RuntimeError(f"workers/megatron/cpu_compat.py patches megatron-core {MCORE_VERSION} internals, "
+                           f"but megatron-core {installed} is installed")
 
-    Also enters the `CpuDeviceMode` in the calling thread (see `ensure_cpu_device_mode`).
-    """
+
+def apply_cpu_compat() -> bool:
+    """Apply the process-wide patches when CUDA is absent, once; True when they are active."""
     global _applied
     if not cuda_absent():
         return False
     with _apply_lock:
         if not _applied:
+            check_mcore_version()
             from megatron.core.tensor_parallel import random as mrandom
 
             torch.cuda.current_device = lambda: _CPU  # type: ignore[assignment]
@@ -163,53 +157,14 @@ def apply_cpu_compat() -> bool:
             mrandom.CudaRNGStatesTracker.add = _tracker_add
             mrandom.CudaRNGStatesTracker.fork = _tracker_fork
             _applied = True
-    ensure_cpu_device_mode()
     return True
-
-
-def ensure_cpu_device_mode() -> None:
-    """Enter `CpuDeviceMode` in the calling thread for the rest of its life (no-op with CUDA or if active).
-
-    The mode stays on the thread's TorchFunctionMode stack; entering it again in the same thread does
-    nothing. Call it at the start of any thread that runs megatron code.
-    """
-    if not cuda_absent() or _mode_active():
-        return
-    mode = CpuDeviceMode()
-    mode.__enter__()
-    _tls.persistent = mode
-
-
-def _mode_active() -> bool:
-    from torch.overrides import _get_current_function_mode_stack
-
-    return any(isinstance(m, CpuDeviceMode) for m in _get_current_function_mode_stack())
 
 
 @contextlib.contextmanager
 def cpu_device_mode() -> Iterator[None]:
-    """Context manager: `CpuDeviceMode` active in this thread inside the block (no-op with CUDA or if active)."""
-    if not cuda_absent() or _mode_active():
+    """`CpuDeviceMode` active in this thread inside the block (no-op with CUDA or when already active)."""
+    if not cuda_absent() or any(isinstance(m, CpuDeviceMode) for m in _get_current_function_mode_stack()):
         yield
         return
     with CpuDeviceMode():
         yield
-
-
-def on_cpu_device(fn: F) -> F:
-    """Decorator for entry points that may run in any thread (e.g. Ray actor methods): runs `fn` with
-    the process patches applied and `CpuDeviceMode` active in the current thread (no-op with CUDA)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        if not cuda_absent():
-            return fn(*args, **kwargs)
-        apply_cpu_compat()
-        return fn(*args, **kwargs)
-
-    return wrapper  # type: ignore[return-value]
-
-
-def causal_mask(seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """Boolean causal attention mask [1, 1, S, S] for megatron-core, True = masked (future positions)."""
-    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]

@@ -20,28 +20,20 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from workers.dtypes import as_dtype
 from workers.megatron import rope_positions
 from workers.megatron.cpu_compat import cuda_absent
 from workers.megatron.hf_weights import HFTensorSource
+from workers.megatron.masks import follow_mask
 
 log = logging.getLogger("workers")
 _DIST_OPT_META = {"distrib_optim_sharding_type": "dp_reshardable"}
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
-
-
-def as_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)}")
-    return _DTYPES[dtype]
 
 
 @dataclass
@@ -222,6 +214,7 @@ class MegatronEngine:
             if mb.explicit_positions and not self.supports_explicit_positions:
                 raise RuntimeError("this model's RoPE cannot take explicit positions (fused RoPE); "
                                    "use pack_sequences=True instead of 'prefix'")
+            follow_mask(model, mb.attention_mask)
             with rope_positions.explicit_positions(mb.position_ids if mb.explicit_positions else None):
                 out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask)
             return out, lambda output: loss_fn(mb, output)
@@ -383,11 +376,6 @@ class MegatronEngine:
         for p in self.module.parameters():
             p.data = p.data.to(self.device, non_blocking=True)
         self._offloaded = False
-
-    def describe(self) -> dict[str, Any]:
-        return {"params_local": sum(p.numel() for p in self.module.parameters()), "dtype": str(self.dtype),
-                "value_head": self.value_head, "trainable": self.trainable, **self._layout(),
-                "optim": asdict(self.optim) if self.trainable else None}
 
 
 def _inner_optimizers(optimizer: Any) -> list[Any]:

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from workers.megatron.value_head import ValueHead
+
 
 @dataclass(frozen=True)
 class Family:
@@ -46,20 +48,21 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def _get(cfg: Any, name: str, default: Any = None) -> Any:
+def cfg_get(cfg: Any, name: str, default: Any = None) -> Any:
+    """A field of a HF config given as an object or a dict."""
     return cfg.get(name, default) if isinstance(cfg, dict) else getattr(cfg, name, default)
 
 
 def family_of(hf_config: Any) -> Family:
     """The family of a HF config (object or dict); ValueError for unsupported types or features."""
-    model_type = _get(hf_config, "model_type")
+    model_type = cfg_get(hf_config, "model_type")
     if model_type not in FAMILIES:
         raise ValueError(f"model_type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
-    if model_type == "llama" and (_get(hf_config, "attention_bias") or _get(hf_config, "mlp_bias")):
+    if model_type == "llama" and (cfg_get(hf_config, "attention_bias") or cfg_get(hf_config, "mlp_bias")):
         raise ValueError("llama configs with attention_bias or mlp_bias are not supported")
-    if model_type == "qwen2" and _get(hf_config, "use_sliding_window"):
+    if model_type == "qwen2" and cfg_get(hf_config, "use_sliding_window"):
         raise ValueError("qwen2 configs with use_sliding_window=true are not supported")
-    act = _get(hf_config, "hidden_act", "silu")
+    act = cfg_get(hf_config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act={act!r} is not supported (silu)")
     return FAMILIES[model_type]
@@ -82,20 +85,20 @@ class Dims:
     @classmethod
     def from_hf(cls, hf_config: Any) -> Dims:
         fam = family_of(hf_config)
-        hidden, heads = _get(hf_config, "hidden_size"), _get(hf_config, "num_attention_heads")
+        hidden, heads = cfg_get(hf_config, "hidden_size"), cfg_get(hf_config, "num_attention_heads")
         for field in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size", "num_hidden_layers"):
-            value = _get(hf_config, field)
+            value = cfg_get(hf_config, field)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"config field {field} must be a positive integer, got {value!r}")
         return cls(
             hidden=hidden,
             heads=heads,
-            groups=_get(hf_config, "num_key_value_heads") or heads,
-            head_dim=_get(hf_config, "head_dim") or hidden // heads,
-            ffn=_get(hf_config, "intermediate_size"),
-            vocab=_get(hf_config, "vocab_size"),
-            layers=_get(hf_config, "num_hidden_layers"),
-            tied=bool(_get(hf_config, "tie_word_embeddings", False)),
+            groups=cfg_get(hf_config, "num_key_value_heads") or heads,
+            head_dim=cfg_get(hf_config, "head_dim") or hidden // heads,
+            ffn=cfg_get(hf_config, "intermediate_size"),
+            vocab=cfg_get(hf_config, "vocab_size"),
+            layers=cfg_get(hf_config, "num_hidden_layers"),
+            tied=bool(cfg_get(hf_config, "tie_word_embeddings", False)),
             qkv_bias=fam.qkv_bias,
         )
 
@@ -207,8 +210,6 @@ def bind(model: torch.nn.Module, hf_config: Any) -> list[Binding]:
     Raises ValueError naming the parameter when one has no rule (so every parameter gets filled).
     """
     d = Dims.from_hf(hf_config)
-    from workers.megatron.model_provider import ValueHead
-
     is_value = isinstance(getattr(model, "output_layer", None), ValueHead)
     out: list[Binding] = []
     for name, param in model.named_parameters():

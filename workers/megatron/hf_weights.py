@@ -35,6 +35,8 @@ from workers.megatron.hf_map import (
     to_mcore_shard,
     tp_concat_dim,
 )
+from workers.megatron.parallel import tp_layout
+from workers.megatron.value_head import ValueHead
 
 
 class HFTensorSource:
@@ -89,19 +91,7 @@ class HFTensorSource:
         self.close()
 
 
-def _tp() -> tuple[int, int, Any]:
-    from megatron.core import parallel_state
-
-    return (
-        parallel_state.get_tensor_model_parallel_rank(),
-        parallel_state.get_tensor_model_parallel_world_size(),
-        parallel_state.get_tensor_model_parallel_group(),
-    )
-
-
 def _is_value_model(model: torch.nn.Module) -> bool:
-    from workers.megatron.model_provider import ValueHead
-
     return isinstance(getattr(model, "output_layer", None), ValueHead)
 
 
@@ -130,7 +120,7 @@ def load_hf_weights(
         if check:
             check_hf_tensors(hf_config, shapes, value_head=value_model and not from_lm)
         d = Dims.from_hf(hf_config)
-        tp_rank, tp, _ = _tp()
+        tp_rank, tp, _ = tp_layout()
         filled = []
         for b in bind(model, hf_config):
             if from_lm and b.hf_names == ("score.weight",):
@@ -159,7 +149,7 @@ def iter_hf_weights(
     """Yield (hf_name, full tensor) for this rank's pipeline stage, gathering TP shards (collective over
     the TP group; see the module docstring for which ranks yield what). `dtype` casts the output."""
     d = Dims.from_hf(hf_config)
-    _, tp, group = _tp()
+    _, tp, group = tp_layout()
     for b in bind(model, hf_config):
         if b.alias:
             continue
@@ -178,7 +168,7 @@ def write_hf_shards(model: torch.nn.Module, hf_config: Any, target: Callable[[st
     (not collective; see the module docstring). Replicated tensors are written by TP rank 0 only; a tied
     output layer is skipped. Returns {"tensors": parameters written, "bytes": bytes written}."""
     d = Dims.from_hf(hf_config)
-    tp_rank, tp, _ = _tp()
+    tp_rank, tp, _ = tp_layout()
     n = nbytes = 0
     for b in bind(model, hf_config):
         if b.alias or (b.kind == REPLICATED and tp_rank != 0):

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
+from workers.dtypes import as_dtype
+
 META_FILE = "rlhf_mcore.json"
 HF_SUBDIR = "hf"
 MODEL_SUBDIR = "model"
 FORMAT = "rlhf-mcore-v1"
-
-_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -38,15 +38,7 @@ class CheckpointMeta:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPE_NAMES[self.dtype]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """'float32' / 'bfloat16' / 'float16' for a torch dtype (ValueError otherwise)."""
-    for name, value in _DTYPE_NAMES.items():
-        if value == dtype:
-            return name
-    raise ValueError(f"unsupported parameter dtype {dtype} (float32, bfloat16, float16)")
+        return as_dtype(self.dtype)
 
 
 def write_meta(ckpt_dir: str | Path, meta: CheckpointMeta) -> Path:

@@ -12,8 +12,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from workers.megatron.cpu_compat import causal_mask, cuda_absent
-from workers.megatron.hf_map import family_of
+from workers.megatron.cpu_compat import cuda_absent
+from workers.megatron.hf_map import cfg_get, family_of
+from workers.megatron.masks import causal_mask, follow_mask
+from workers.megatron.value_head import ValueHead
 
 DEFAULT_VOCAB_DIVISOR = 128
 
@@ -23,13 +25,22 @@ def use_transformer_engine() -> bool:
     return not cuda_absent() and importlib.util.find_spec("transformer_engine") is not None
 
 
-def layer_spec(use_te: bool | None = None):
-    """The GPT layer spec: TE (fused layernorm-linear) on GPU with TE, megatron-core local otherwise."""
+def layer_spec(use_te: bool | None = None, mask_type: Any = None):
+    """The GPT layer spec: TE (fused layernorm-linear) on GPU with TE, megatron-core local otherwise.
+
+    Its attention takes `mask_type` (default `arbitrary`: every batch the engine runs carries an explicit
+    mask, see `workers.megatron.masks`) instead of megatron's plain `causal`, which TE would apply in
+    place of the padding, packing and prefix-sharing masks.
+    """
     from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.enums import AttnMaskType
 
     if use_transformer_engine() if use_te is None else use_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec.submodules.self_attention.params["attn_mask_type"] = mask_type or AttnMaskType.arbitrary
+    return spec
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = DEFAULT_VOCAB_DIVISOR) -> int:
@@ -38,26 +49,22 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = DEFAULT_VOCA
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
-def _get(cfg: Any, name: str, default: Any = None) -> Any:
-    return getattr(cfg, name, default) if not isinstance(cfg, dict) else cfg.get(name, default)
-
-
 def rope_settings(hf_config: Any) -> dict:
     """RoPE base and scaling from a HF config (transformers 5 `rope_parameters` or legacy fields).
 
     Returns {'theta', 'type', 'factor', 'low_freq_factor', 'high_freq_factor', 'original_max'}; raises
     ValueError for scaling types megatron's RotaryEmbedding cannot reproduce.
     """
-    params = dict(_get(hf_config, "rope_parameters") or {})
-    legacy = _get(hf_config, "rope_scaling") or {}
+    params = dict(cfg_get(hf_config, "rope_parameters") or {})
+    legacy = cfg_get(hf_config, "rope_scaling") or {}
     if not params:
         params = dict(legacy)
-        params.setdefault("rope_theta", _get(hf_config, "rope_theta", 10000.0))
+        params.setdefault("rope_theta", cfg_get(hf_config, "rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type not in ("default", "llama3", "linear"):
         raise ValueError(f"rope type {rope_type!r} is not supported (default, linear, llama3)")
     return {
-        "theta": float(params.get("rope_theta", _get(hf_config, "rope_theta", 10000.0))),
+        "theta": float(params.get("rope_theta", cfg_get(hf_config, "rope_theta", 10000.0))),
         "type": rope_type,
         "factor": float(params.get("factor", 1.0)),
         "low_freq_factor": float(params.get("low_freq_factor", 1.0)),
@@ -78,18 +85,18 @@ def transformer_config_from_hf(
     from megatron.core.transformer import TransformerConfig
 
     fam = family_of(hf_config)
-    heads = _get(hf_config, "num_attention_heads")
-    hidden = _get(hf_config, "hidden_size")
-    head_dim = _get(hf_config, "head_dim") or hidden // heads
+    heads = cfg_get(hf_config, "num_attention_heads")
+    hidden = cfg_get(hf_config, "hidden_size")
+    head_dim = cfg_get(hf_config, "head_dim") or hidden // heads
     kwargs = dict(
-        num_layers=_get(hf_config, "num_hidden_layers"),
+        num_layers=cfg_get(hf_config, "num_hidden_layers"),
         hidden_size=hidden,
-        ffn_hidden_size=_get(hf_config, "intermediate_size"),
+        ffn_hidden_size=cfg_get(hf_config, "intermediate_size"),
         num_attention_heads=heads,
-        num_query_groups=_get(hf_config, "num_key_value_heads") or heads,
+        num_query_groups=cfg_get(hf_config, "num_key_value_heads") or heads,
         kv_channels=head_dim,
         normalization="RMSNorm",
-        layernorm_epsilon=_get(hf_config, "rms_norm_eps", 1e-6),
+        layernorm_epsilon=cfg_get(hf_config, "rms_norm_eps", 1e-6),
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
@@ -151,17 +158,17 @@ def build_gpt_model(
     pre_process, post_process = _stage_flags(pre_process, post_process)
     config = transformer_config_from_hf(hf_config, tp, pp, dtype, **config_overrides)
     rope = rope_settings(hf_config)
-    vocab = _get(hf_config, "vocab_size")
+    vocab = cfg_get(hf_config, "vocab_size")
     if padded_vocab is None:
         padded_vocab = padded_vocab_size(vocab, tp, vocab_divisible_by)
     elif padded_vocab < vocab or padded_vocab % tp:
         raise ValueError(f"padded vocab {padded_vocab} must be >= vocab_size {vocab} and divisible by TP {tp}")
-    tie = bool(_get(hf_config, "tie_word_embeddings", False)) and not value_head
+    tie = bool(cfg_get(hf_config, "tie_word_embeddings", False)) and not value_head
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(use_te),
         vocab_size=padded_vocab,
-        max_sequence_length=_get(hf_config, "max_position_embeddings"),
+        max_sequence_length=cfg_get(hf_config, "max_position_embeddings"),
         pre_process=pre_process,
         post_process=post_process,
         share_embeddings_and_output_weights=tie,
@@ -192,10 +199,10 @@ def build_gpt_model(
 
 def check_parallel_fit(hf_config: Any, tp: int, pp: int) -> None:
     """Raise ValueError naming the field when heads, KV groups or FFN size do not divide by TP or layers by PP."""
-    heads = _get(hf_config, "num_attention_heads")
-    groups = _get(hf_config, "num_key_value_heads") or heads
-    layers = _get(hf_config, "num_hidden_layers")
-    ffn = _get(hf_config, "intermediate_size")
+    heads = cfg_get(hf_config, "num_attention_heads")
+    groups = cfg_get(hf_config, "num_key_value_heads") or heads
+    layers = cfg_get(hf_config, "num_hidden_layers")
+    ffn = cfg_get(hf_config, "intermediate_size")
     if heads % tp:
         raise ValueError(f"num_attention_heads={heads} is not divisible by tensor parallel size {tp}")
     if groups % tp:
@@ -204,27 +211,6 @@ def check_parallel_fit(hf_config: Any, tp: int, pp: int) -> None:
         raise ValueError(f"intermediate_size={ffn} is not divisible by tensor parallel size {tp}")
     if layers % pp:
         raise ValueError(f"num_hidden_layers={layers} is not divisible by pipeline parallel size {pp}")
-
-
-class ValueHead(torch.nn.Module):
-    """Scalar head replacing GPTModel.output_layer: hidden [s, b, h] -> [s, b, 1], replicated over TP.
-
-    Accepts the output layer's call signature (`weight=`, `runtime_gather_output=`) and returns
-    (output, None) like a ColumnParallelLinear.
-    """
-
-    def __init__(self, config) -> None:
-        super().__init__()
-        self.sequence_parallel = bool(config.sequence_parallel)
-        self.weight = torch.nn.Parameter(torch.empty(1, config.hidden_size, dtype=config.params_dtype))
-        torch.nn.init.normal_(self.weight, std=1.0 / math.sqrt(config.hidden_size + 1))
-
-    def forward(self, hidden: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output=None):
-        if self.sequence_parallel:
-            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-
-            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
-        return F.linear(hidden, self.weight), None
 
 
 def position_ids_for(input_ids: torch.Tensor) -> torch.Tensor:
@@ -245,7 +231,8 @@ def forward_logits(model, input_ids: torch.Tensor, gather_tp: bool = True) -> to
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     b, s = input_ids.shape
-    mask = causal_mask(s, device=input_ids.device)
+    mask = causal_mask(s, device=input_ids.device)[None, None]
+    follow_mask(model, mask)
 
     def step(data_iter, mdl):
         ids = next(data_iter)

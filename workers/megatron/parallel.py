@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from typing import Any
 
 import torch
 
@@ -69,3 +70,11 @@ def destroy_distributed() -> None:
         parallel_state.destroy_model_parallel()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def tp_layout() -> tuple[int, int, Any]:
+    """(rank, size, group) of this rank's tensor-parallel group."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(), \
+        ps.get_tensor_model_parallel_group()

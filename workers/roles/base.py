@@ -20,6 +20,7 @@ import torch
 
 from workers.dispatch import ONE_TO_ALL, register
 from workers.group.worker import Worker
+from workers.megatron.cpu_compat import cpu_device_mode
 from workers.megatron.engine import MegatronEngine
 
 
@@ -50,10 +51,8 @@ class MegatronWorker(Worker):
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
 
     def call_context(self) -> contextlib.AbstractContextManager:
-        from workers.megatron.cpu_compat import apply_cpu_compat
-
-        apply_cpu_compat()  # idempotent; enters the CPU device mode in the calling thread (no-op on GPU)
-        return contextlib.nullcontext()
+        """Every actor method runs in the CPU device mode (a no-op with CUDA; see cpu_compat)."""
+        return cpu_device_mode()
 
     def setup(self) -> None:
         kw = self.init_kwargs
@@ -88,11 +87,6 @@ class MegatronWorker(Worker):
 
     # ---- methods every role has -------------------------------------------------------------
     @register(ONE_TO_ALL, collect="rank0")
-    def describe(self) -> dict[str, Any]:
-        """Layout, local parameter count, dtype and optimizer settings (rank 0's view)."""
-        return self.engine.describe()
-
-    @register(ONE_TO_ALL, collect="rank0")
     def save_checkpoint(self, path: str) -> str:
         """Model, optimizer, scheduler and RNG through dist_checkpointing; returns `path`."""
         t0 = time.monotonic()
@@ -109,10 +103,6 @@ class MegatronWorker(Worker):
         self._log(f"loaded checkpoint {path} (saved at {meta.get('layout')}; "
                   f"optimizer={load_optimizer} rng={load_rng})")
         return meta
-
-    @register(ONE_TO_ALL, collect="rank0")
-    def get_lr(self) -> float:
-        return float(self.engine.optimizer.param_groups[0]["lr"]) if self.engine.optimizer else 0.0
 
     def _log(self, msg: str) -> None:
         import logging

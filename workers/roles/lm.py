@@ -20,21 +20,20 @@ import time
 import torch
 
 from algorithms import agg_loss, global_normalizer
-from workers.batch import Batch
+from workers.batch import LM_KEYS, Batch
 from workers.dispatch import DP_COMPUTE, register
 from workers.megatron.engine import Micro
+from workers.megatron.masks import causal_mask
 from workers.roles.base import MegatronWorker
 from workers.roles.logits import vocab_parallel_logprobs
 from workers.roles.optimize import Metrics, MicroLoss, run_loss
-
-LM_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 
 def lm_attention_mask(position_ids: torch.Tensor) -> torch.Tensor:
     """Bool mask, True = masked: [1, 1, S, S] causal when no row restarts its positions, else
     [B, 1, S, S] causal within the segments that start where position_ids == 0."""
     s = position_ids.shape[1]
-    causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=position_ids.device), diagonal=1)
+    causal = causal_mask(s, device=position_ids.device)
     seg = (position_ids == 0).long().cumsum(-1)
     if bool((seg == seg[:, :1]).all()):
         return causal[None, None]

@@ -10,12 +10,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _tp() -> tuple[int, int, object]:
-    from megatron.core import parallel_state as ps
-
-    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(), \
-        ps.get_tensor_model_parallel_group()
+from workers.megatron.parallel import tp_layout
 
 
 def vocab_parallel_logprobs(
@@ -24,7 +19,7 @@ def vocab_parallel_logprobs(
     """(log p(labels), entropy or None) from local logits [..., V_local] and labels [...]; float32."""
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-    rank, world, group = _tp()
+    rank, world, group = tp_layout()
     v_local = logits.shape[-1]
     start = rank * v_local
     z = logits.float()

@@ -23,12 +23,13 @@ import torch
 
 from workers.batch import Batch
 from workers.megatron.engine import Micro
+from workers.megatron.masks import causal_mask
 
 
 def attention_mask_4d(attn: torch.Tensor) -> torch.Tensor:
     """[b, s] 1 on real tokens -> [b, 1, s, s] bool, True where attention is masked (future or padding)."""
     s = attn.shape[1]
-    causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=attn.device), diagonal=1)
+    causal = causal_mask(s, device=attn.device)
     return (causal[None] | (attn == 0)[:, None, :]).unsqueeze(1)
 
 
@@ -122,7 +123,7 @@ def packed_micros(batch: Batch, p: int, rows_per_micro: int, keys: list[str], de
                 pos[r, o:o + n] = torch.arange(n)
                 start[i] = r * w + o
                 o += n
-        causal = torch.triu(torch.ones(w, w, dtype=torch.bool), diagonal=1)
+        causal = causal_mask(w)
         mask = (causal[None] | (seg[:, :, None] != seg[:, None, :])).unsqueeze(1)  # [rows, 1, w, w]
         m_idx = torch.tensor(members, dtype=torch.long)
         m_lo, m_hi = lo[m_idx], hi[m_idx]
@@ -196,7 +197,7 @@ def prefix_shared_micros(batch: Batch, p: int, rows_per_micro: int, keys: list[s
             pos[r, o:] = torch.arange(w - o)
         same_group = grp[:, :, None] == grp[:, None, :]  # padding pairs count as one group (no empty rows)
         visible = (own[:, None, :] == -1) | (own[:, :, None] == own[:, None, :])
-        causal = torch.triu(torch.ones(w, w, dtype=torch.bool), diagonal=1)
+        causal = causal_mask(w)
         mask = (causal[None] | ~(same_group & visible)).unsqueeze(1)  # [rows, 1, w, w], True = masked
         m_idx = torch.tensor(members, dtype=torch.long)
         n_resp = torch.tensor([rlen[i] for i in members], dtype=torch.long)

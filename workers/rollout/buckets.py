@@ -15,15 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def torch_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    if name not in DTYPES:
-        raise ValueError(f"unsupported weight dtype {name!r}; one of {list(DTYPES)}")
-    return DTYPES[name]
+from workers.dtypes import as_dtype
 
 
 @dataclass
@@ -39,7 +31,7 @@ class BucketMeta:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch_dtype(self.dtype).itemsize
+        return self.numel * as_dtype(self.dtype).itemsize
 
 
 def group_key(name: str) -> str:
@@ -72,7 +64,7 @@ class BucketPacker:
 
     def __init__(self, bucket_bytes: int, dtype: str | torch.dtype, device: str | torch.device = "cpu",
                  buffers: list[torch.Tensor] | None = None, num_buffers: int = 1) -> None:
-        self.dtype = torch_dtype(dtype)
+        self.dtype = as_dtype(dtype)
         self.dtype_name = str(self.dtype).replace("torch.", "")
         self.capacity = max(1, int(bucket_bytes) // self.dtype.itemsize)
         self.device = torch.device(device)

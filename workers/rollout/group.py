@@ -1,20 +1,44 @@
-"""`RolloutGroup`: the driver's handle on one or more rollout engines (Ray actors, or one in-process)."""
+"""`RolloutGroup`: the driver's handle on one or more rollout engines (Ray actors, or one in-process).
+
+Engine calls are waited on like a worker group's (`workers.group.wait`), and their failures are
+`WorkerGroupError`s naming role 'rollout', the engine's rank, node and pid, like any other role's.
+"""
 
 from __future__ import annotations
 
-import time
+import uuid
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from workers.batch import Batch
+from workers.group.errors import (
+    WorkerDiedError,
+    WorkerGroupError,
+    WorkerTimeoutError,
+    describe_rank,
+    first_lines,
+)
+from workers.group.wait import Failure, is_death, wait_all
+from workers.group.worker import tail_file
 from workers.rollout.config import EngineConfig
 from workers.rollout.prompts import as_batch
 from workers.rollout.sampling import SamplingConfig
 from workers.rollout.worker import RolloutWorker, _sampling
 
+ROLE = "rollout"
 
-class RolloutError(RuntimeError):
-    """A rollout engine call failed or timed out; the message names the engine's rank."""
+
+class RolloutError(WorkerGroupError):
+    """A rollout engine call failed; the message names role 'rollout', the engine's rank, node and pid."""
+
+
+class RolloutDiedError(RolloutError, WorkerDiedError):
+    """A rollout engine's actor process died (killed, crashed, out of memory)."""
+
+
+class RolloutTimeoutError(RolloutError, WorkerTimeoutError):
+    """A rollout engine call did not finish within its timeout."""
 
 
 class RolloutGroup:
@@ -22,25 +46,52 @@ class RolloutGroup:
     concatenated in order, so the output is the same Batch one engine would give.
 
     `in_process=True` keeps a single engine in this process (tests, `rlhf generate`); otherwise each
-    engine is a Ray actor with the config's `num_cpus` / `num_gpus`.
+    engine is a Ray actor with the config's `num_cpus` / `num_gpus`, named `<name>/<rank>` (e.g.
+    `rollout/0`) like the worker ranks. Without `name` the group gets a unique one (`rollout-1a2b3c`),
+    so several groups can live in one Ray session; a `name` already taken there is refused. With
+    `log_dir`, each engine actor writes its output to `log_dir/<name>/<rank>.log`, not to the console.
     """
 
     def __init__(self, config: EngineConfig | dict[str, Any], num_engines: int = 1, in_process: bool = False,
-                 timeout_s: float = 600.0, actor_options: dict[str, Any] | None = None) -> None:
+                 timeout_s: float = 600.0, actor_options: dict[str, Any] | None = None,
+                 name: str | None = None, log_dir: str | Path | None = None) -> None:
         self.cfg = config if isinstance(config, EngineConfig) else EngineConfig(**config)
         if num_engines < 1 or (in_process and num_engines != 1):
             raise ValueError(f"num_engines={num_engines}: need >= 1 (exactly 1 in process)")
         self.in_process, self.timeout_s = in_process, timeout_s
-        if in_process:
-            self.engines: list[Any] = [RolloutWorker(self.cfg, 0)]
-        else:
-            self.engines = [RolloutWorker.remote(self.cfg, i, **(actor_options or {})) for i in range(num_engines)]
-        infos = self._all("info", timeout_s=max(timeout_s, 300.0))
-        self.infos = infos
-        self.dtype: str = infos[0]["dtype"]
-        self.vocab_size: int = int(infos[0]["vocab_size"])
+        self.name = name or f"{ROLE}-{uuid.uuid4().hex[:6]}"
+        self.names = [f"{self.name}/{i}" for i in range(num_engines)]
+        self.infos: list[dict[str, Any]] = [{"rank": i} for i in range(num_engines)]
+        self.engines: list[Any] = []
+        self.log_paths: list[str | None] = [None] * num_engines
         self._endpoint: tuple[str, int] | None = None
         self._syncers: dict[int, Any] = {}
+        try:
+            if in_process:
+                self.engines = [RolloutWorker(self.cfg, 0, name=self.names[0])]
+            else:
+                self._check_names_free()
+                self.log_paths = [str(Path(log_dir) / self.name / f"{i}.log") if log_dir else None
+                                  for i in range(num_engines)]
+                self.engines = [RolloutWorker.start(self.cfg, i, self.log_paths[i],
+                                                    **{**(actor_options or {}), "name": n})
+                                for i, n in enumerate(self.names)]
+            self.infos = self._all("info", timeout_s=max(timeout_s, 300.0))
+        except BaseException:
+            self.shutdown()
+            raise
+        self.dtype: str = self.infos[0]["dtype"]
+        self.vocab_size: int = int(self.infos[0]["vocab_size"])
+
+    def _check_names_free(self) -> None:
+        import ray
+
+        for name in self.names:
+            try:
+                ray.get_actor(name)
+            except ValueError:
+                continue
+            raise RolloutError(f"an actor named {name!r} already exists; shut that rollout group down or pass name=")
 
     @property
     def num_engines(self) -> int:
@@ -51,35 +102,48 @@ class RolloutGroup:
         eng = self.engines[i]
         return getattr(eng, method)(*args) if self.in_process else getattr(eng, method).remote(*args)
 
-    def _wait(self, handles: list[Any], what: str, timeout_s: float | None = None,
+    def _wait(self, handles: list[Any], ranks: list[int], what: str, timeout_s: float | None = None,
               on_poll: Any = None) -> list[Any]:
-        """Results of actor calls, polled (so `on_poll()` can raise, e.g. when the sending side failed)."""
+        """Results of the engine calls `handles` (one per rank in `ranks`), polled like a worker group's;
+        `on_poll()` may raise to stop waiting (e.g. when the sending side of a weight sync failed)."""
         if self.in_process:
             return handles
-        import ray
-
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
-        out: list[Any] = [None] * len(handles)
-        index = {h: i for i, h in enumerate(handles)}
-        pending = list(handles)
-        while pending:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                ranks = sorted(index[h] for h in pending)
-                raise RolloutError(f"rollout.{what} did not finish within {timeout_s:g}s on rollout ranks {ranks}")
-            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=min(left, 0.5))
-            if on_poll is not None and pending:
-                on_poll()
-            for h in ready:
-                try:
-                    out[index[h]] = ray.get(h)
-                except Exception as exc:
-                    raise _unwrap(exc, index[h], what) from exc
-        return out
+
+        def timed_out(pending: list[int]) -> BaseException:
+            return RolloutTimeoutError(f"{self.name}.{what} did not finish within {timeout_s:g}s; still running on "
+                                       + "; ".join(self._describe(ranks[i]) for i in pending))
+
+        def failed(failures: list[Failure], pending: list[int]) -> BaseException:
+            return self._failure([(ranks[i], e) for i, e in failures], what)
+
+        return wait_all(handles, timeout_s, failed, timed_out, on_poll)
+
+    def _failure(self, failures: list[Failure], what: str) -> BaseException:
+        """The error for the most telling of `failures` ((rank, exception) pairs): a dead engine first;
+        weight-sync errors (they name their ranks) and bad input (ValueError) pass as they are; anything
+        else becomes a RolloutError naming the engine."""
+        rank, exc = sorted(failures, key=lambda f: not is_death(f[1]))[0]
+        head = f"{self.name}.{what} failed on {self._describe(rank)}"
+        log = self.log_paths[rank] if rank < len(self.log_paths) else None
+        tail = f"\n--- last log lines of {self.names[rank]} ({log}) ---\n{tail_file(log, 20)}" if log else ""
+        cause = getattr(exc, "cause", None)
+        if is_death(exc):
+            err: BaseException = RolloutDiedError(
+                f"{head}: the actor died ({type(exc).__name__}: {first_lines(str(exc), 6)}){tail}")
+        elif isinstance(cause, WorkerGroupError | ValueError):
+            err = cause
+        else:
+            err = RolloutError(f"{head}: {type(cause or exc).__name__}: {first_lines(str(cause or exc), 60)}{tail}")
+        err.__cause__ = exc
+        return err
+
+    def _describe(self, rank: int) -> str:
+        return describe_rank(ROLE, rank, self.names[rank], self.infos[rank] if rank < len(self.infos) else {})
 
     def _all(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
-        return self._wait([self._submit(i, method, *args) for i in range(self.num_engines)], method, timeout_s)
+        ranks = list(range(self.num_engines))
+        return self._wait([self._submit(i, method, *args) for i in ranks], ranks, method, timeout_s)
 
     # ---- rollout -----------------------------------------------------------------------------
     def generate(self, prompts: Batch | Sequence[Any], sampling: SamplingConfig | dict | None = None) -> Batch:
@@ -87,17 +151,18 @@ class RolloutGroup:
         sp = _sampling(sampling)
         batch = as_batch(prompts)
         if self.num_engines == 1:
-            return self._wait([self._submit(0, "generate", batch, sp)], "generate")[0]
+            return self._wait([self._submit(0, "generate", batch, sp)], [0], "generate")[0]
         n = len(batch)
         bounds = [round(i * n / self.num_engines) for i in range(self.num_engines + 1)]
-        calls, starts = [], []
+        calls, starts, ranks = [], [], []
         for i in range(self.num_engines):
             lo, hi = bounds[i], bounds[i + 1]
             if hi > lo:
                 seed = None if sp.seed is None else sp.seed + lo * sp.n
                 calls.append(self._submit(i, "generate", batch.index(slice(lo, hi)), sp.with_(seed=seed)))
                 starts.append(lo)
-        parts = self._wait(calls, "generate")
+                ranks.append(i)
+        parts = self._wait(calls, ranks, "generate")
         for lo, part in zip(starts, parts):
             part.meta["group_id"] = [g + lo for g in part.meta["group_id"]]
         info = _merge_info([p.info for p in parts])
@@ -112,13 +177,14 @@ class RolloutGroup:
     # ---- weights -----------------------------------------------------------------------------
     def sync_endpoint(self) -> tuple[str, int]:
         if self._endpoint is None:
-            self._endpoint = tuple(self._wait([self._submit(0, "open_sync_endpoint")], "open_sync_endpoint")[0])
+            self._endpoint = tuple(self._wait([self._submit(0, "open_sync_endpoint")], [0], "open_sync_endpoint")[0])
         return self._endpoint  # type: ignore[return-value]
 
     def receive_weights(self, session: Any, on_poll: Any = None) -> list[dict[str, Any]]:
         """Every engine's receive side of a sync (see weight_sync.py); `on_poll` may raise to stop waiting."""
-        handles = [self._submit(i, "receive_weights", session) for i in range(self.num_engines)]
-        return self._wait(handles, "receive_weights", session.timeout_s + 30.0, on_poll)
+        ranks = list(range(self.num_engines))
+        handles = [self._submit(i, "receive_weights", session) for i in ranks]
+        return self._wait(handles, ranks, "receive_weights", session.timeout_s + 30.0, on_poll)
 
     def sync_weights(self, policy_group: Any, config: Any = None, verify: bool | None = None,
                      **session_overrides: Any) -> dict[str, Any]:
@@ -165,22 +231,6 @@ class RolloutGroup:
                 except Exception:  # noqa: BLE001 - already gone
                     pass
         self.engines = []
-
-
-def _unwrap(exc: Exception, rank: int, what: str) -> Exception:
-    """The engine's own exception (weight-sync errors already name their ranks), else a RolloutError."""
-    from workers.rollout.transport import WeightSyncError
-
-    cause = getattr(exc, "cause", None)
-    if isinstance(cause, WeightSyncError):
-        return cause
-    if isinstance(cause, ValueError):
-        return cause
-    import ray
-
-    if isinstance(exc, ray.exceptions.RayActorError):
-        return RolloutError(f"rollout rank {rank}: the engine actor died during {what}: {exc}")
-    return RolloutError(f"rollout rank {rank}: {what} failed: {type(cause or exc).__name__}: {cause or exc}")
 
 
 def _merge_info(infos: list[dict[str, Any]]) -> dict[str, Any]:

@@ -2,9 +2,9 @@
 
     class PolicyWorker(RolloutSyncMixin, LogprobMixin, MegatronWorker): ...
 
-It needs `self.engine.iter_hf_weights()` (collective, full HF tensors of this rank's pipeline stage;
-bucketed transports), `self.engine.module` and `self.engine.hf_config` (the "shm" transport writes each
-rank's own shards, no collective), `self.ctx.rank`, `self.tp_rank`, `self.dp_rank`, `self.pp_rank` (all
+The session's transport does the sending with the worker: the bucketed ones need
+`self.engine.iter_hf_weights()` (collective over TP), "shm" needs `self.engine.module` and
+`self.engine.hf_config`; all use `self.ctx.rank`, `self.tp_rank`, `self.dp_rank`, `self.pp_rank` (all
 present on `MegatronWorker`).
 """
 
@@ -14,7 +14,6 @@ from typing import Any
 
 from workers.dispatch import ONE_TO_ALL, register
 from workers.rollout.transport import SyncSession
-from workers.rollout.weight_sync import send_weights
 
 
 class RolloutSyncMixin:
@@ -22,14 +21,6 @@ class RolloutSyncMixin:
 
     @register(ONE_TO_ALL)
     def send_weights_to_rollout(self, session: SyncSession) -> dict[str, Any]:
-        """Stream this policy's weights to the rollout engines of `session` (see workers.rollout.weight_sync)."""
-        if session.transport == "shm":
-            from workers.rollout.shm import write_weights
-
-            with self.onloaded():
-                return write_weights(self.engine.module, self.engine.hf_config, session, rank=self.ctx.rank,
-                                     stage=self.pp_rank)
-        is_source = self.tp_rank == 0 and self.dp_rank == 0
+        """Send this policy's weights to the rollout engines of `session` with its transport."""
         with self.onloaded():
-            return send_weights(self.engine.iter_hf_weights(), session, rank=self.ctx.rank, stage=self.pp_rank,
-                                is_source=is_source)
+            return session.transport.local().send(self, session)

@@ -12,13 +12,9 @@ from typing import Any
 import torch
 
 from workers.batch import Batch
-from workers.rollout.transport import (
-    SyncSession,
-    WeightSyncError,
-    WeightSyncTimeout,
-    choose_transport,
-    is_timeout,
-)
+from workers.rollout.cpu.shm import ShmTransport
+from workers.rollout.registry import choose_transport
+from workers.rollout.transport import SyncSession, Transport, WeightSyncError, is_timeout, sync_error
 
 log = logging.getLogger(__name__)
 _IDS = itertools.count(1)
@@ -57,7 +53,8 @@ class SyncConfig:
 
 
 class WeightSyncer:
-    """Syncs one policy WorkerGroup into the engines of a RolloutGroup (see weight_sync.py for the design)."""
+    """Syncs one policy WorkerGroup into the engines of a RolloutGroup over the transport `choose_transport`
+    picks (transport.py: the interface; weight_sync.py, cpu/shm.py: the transports)."""
 
     def __init__(self, policy_group: Any, rollout: Any, config: SyncConfig | None = None) -> None:
         self.policy, self.rollout = policy_group, rollout
@@ -65,47 +62,27 @@ class WeightSyncer:
         self.num_syncs = 0
         self.channel = _new_channel()
         infos = getattr(policy_group, "infos", None) or [{"rank": 0, "dp_rank": 0, "tp_rank": 0, "pp_rank": 0}]
+        self.infos = infos
         pp = max(i["pp_rank"] for i in infos) + 1
         self.source_ranks = [next(i["rank"] for i in infos if i["tp_rank"] == 0 and i["dp_rank"] == 0
                                   and i["pp_rank"] == s) for s in range(pp)]
-        self.writer_ranks = sorted(i["rank"] for i in infos if i["dp_rank"] == 0)  # shm: DP replica 0 writes
-        on_gpu = torch.cuda.is_available()
-        wants_shm = self.cfg.transport == "shm" or (self.cfg.transport is None and not on_gpu)
-        same_host = wants_shm and _shm_usable(infos, rollout, strict=self.cfg.transport == "shm")
-        self.transport = choose_transport(on_gpu, self.cfg.colocated, self.cfg.transport, same_host=same_host)
-        if self.cfg.zero_copy and self.transport != "shm":
-            raise ValueError(f"zero-copy weights (rollout.zero_copy_weights) need the 'shm' transport (CPU, the "
-                             f"policy and every engine on one host); this sync uses {self.transport!r}")
-        self._shm: Any = None
+        cls = choose_transport(torch.cuda.is_available(), self.cfg.colocated, self.cfg.transport,
+                               same_host=lambda strict: ShmTransport.usable(infos, rollout, strict))
+        self.transport: Transport = cls()  # the driver side of the transport (its session fields, its file)
+        self.transport.check(self.cfg)
         self._verify_seqs: list[list[int]] | None = None
 
-    @property
-    def shm_path(self) -> str:
-        """The shared file of the "shm" transport (created by the policy at the first sync, kept until
-        `close()`)."""
-        if self._shm is None:
-            from workers.rollout.shm import ShmFile
-
-            self._shm = ShmFile()
-        return self._shm.path
-
     def close(self) -> None:
-        """Remove the shared file of the "shm" transport (the next sync makes a new one)."""
-        if self._shm is not None:
-            self._shm.close()
-            self._shm = None
+        """Release what the transport holds for this syncer (shm: remove the shared file)."""
+        self.transport.close()
 
     def session(self, **overrides: Any) -> SyncSession:
         host, port = self.rollout.sync_endpoint()
-        fields = dict(sync_id=next(_IDS), transport=self.transport, host=host, port=port,
+        fields = dict(sync_id=next(_IDS), transport=type(self.transport), host=host, port=port,
                       num_receivers=self.rollout.num_engines, source_ranks=list(self.source_ranks),
                       channel=self.channel, bucket_bytes=int(self.cfg.bucket_mb * (1 << 20)),
                       dtype=self.rollout.dtype, timeout_s=self.cfg.timeout_s)
-        if self.transport == "shm":
-            fields.update(writer_ranks=list(self.writer_ranks), shm_path=self.shm_path,
-                          direct_load=self.cfg.direct_load, zero_copy=self.cfg.zero_copy)
-        fields.update(overrides)
-        return SyncSession(**fields)
+        return SyncSession(**{**fields, **self.transport.session_fields(self), **overrides})
 
     def sync(self, verify: bool | None = None, **session_overrides: Any) -> dict[str, Any]:
         """Push the policy's current weights into every engine; verify when asked (default: first sync)."""
@@ -134,8 +111,6 @@ class WeightSyncer:
         stats = {
             "sync/time_s": elapsed,
             "sync/bytes": float(sum(s["bytes"] for s in src)),
-            "sync/buckets": float(sum(s["buckets"] for s in src)),
-            "sync/max_bucket_mb": max(s["max_bucket_bytes"] for s in src) / (1 << 20) if src else 0.0,
             "sync/receive_s": max(r["time_s"] for r in recv),
             # where the time went: the policy's TP/PP gather + HF mapping (shm: the slowest rank writing its
             # shards into the shared file), the source's sends incl. waiting for the engines (shm: setting
@@ -146,12 +121,15 @@ class WeightSyncer:
             "sync/direct_load": float(all(r.get("load") == "direct" for r in recv)),  # shm: load_direct used
             "sync/zero_copy": float(all(r.get("load") == "shared" for r in recv)),  # shm: share_weights used
         }
+        if any("buckets" in s for s in src):  # bucketed transports (shm moves one file, no buckets)
+            stats["sync/buckets"] = float(sum(s["buckets"] for s in src))
+            stats["sync/max_bucket_mb"] = max(s["max_bucket_bytes"] for s in src) / (1 << 20)
         if verify is None:
             verify = (self.cfg.verify_first and self.num_syncs == 1) or self.cfg.verify_every
         if verify:
             stats["sync/verify_max_abs_diff"] = self.verify()
-        log.info("weight sync %d: %.3fs, %.1f MB in %d buckets", self.num_syncs, elapsed,
-                 stats["sync/bytes"] / 1e6, int(stats["sync/buckets"]))
+        log.info("weight sync %d (%s): %.3fs, %.1f MB", self.num_syncs, self.transport.name, elapsed,
+                 stats["sync/bytes"] / 1e6)
         return stats
 
     def _drain_policy(self, fut: Any, session: SyncSession) -> None:
@@ -197,53 +175,6 @@ def compare_logprobs(policy_group: Any, rollout: Any, seqs: list[list[int]], pro
     return worst
 
 
-def _shm_usable(infos: list[dict[str, Any]], rollout: Any, strict: bool) -> bool:
-    """Whether the "shm" transport can serve this policy and these engines: one host for all of them
-    (a one-node Ray cluster, or every policy rank on this driver's node with no other node alive) and
-    room in /dev/shm for the model in the engine's dtype (with 10% to spare). `strict`: raise with the
-    reason instead of returning False (the transport was asked for by name)."""
-    reason = ""
-    try:
-        import ray
-
-        from workers.rollout.transport import _is_multi_node
-
-        if ray.is_initialized() and _is_multi_node():
-            reason = "the Ray cluster has more than one node"
-        elif len({i.get("node_id") for i in infos}) > 1:
-            reason = "the policy ranks are on more than one node"
-    except Exception as exc:  # noqa: BLE001
-        reason = f"could not check the nodes ({exc})"
-    if not reason:
-        from workers.rollout import shm
-
-        need = _model_bytes(rollout)
-        free = shm.free_bytes()
-        if need is None:
-            reason = "the model's size is unknown (no HF config of a supported family at the engine's model path)"
-        elif free < need * 1.1:
-            reason = f"{shm.SHM_DIR} has {free / 2**20:.0f} MiB free, the model needs {need / 2**20:.0f} MiB"
-    if reason and strict:
-        raise ValueError(f"transport 'shm' cannot be used: {reason} (use 'gloo')")
-    if reason:
-        log.info("weight sync: not using shared memory (%s); using gloo", reason)
-    return not reason
-
-
-def _model_bytes(rollout: Any) -> int | None:
-    """Bytes of the full model in the engines' dtype, from the HF config at the engines' model path."""
-    try:
-        from transformers import AutoConfig
-
-        from workers.rollout.shm import ShmLayout
-
-        hf_config = AutoConfig.from_pretrained(rollout.cfg.model_path)
-        return ShmLayout.from_hf_config(hf_config, rollout.dtype).nbytes
-    except Exception as exc:  # noqa: BLE001 - unsupported or unreadable: not shm
-        log.debug("weight sync: model size unknown: %s", exc)
-        return None
-
-
 def _new_channel() -> str:
     """A fresh process-group name: two policies syncing into the same engines never share one."""
     return uuid.uuid4().hex[:12]
@@ -252,8 +183,6 @@ def _new_channel() -> str:
 def _as_sync_error(exc: BaseException, session: SyncSession) -> WeightSyncError:
     if isinstance(exc, WeightSyncError):
         return exc
-    text = str(exc)
-    inner = WeightSyncTimeout if (is_timeout(exc) or "WeightSyncTimeout" in text) else WeightSyncError
     where = (f"rollout ranks 0..{session.num_receivers - 1} <- policy ranks {session.source_ranks} "
-             f"({session.transport}, timeout {session.timeout_s:g}s)")
-    return inner(f"weight sync {'timed out' if inner is WeightSyncTimeout else 'failed'}: {where}: {text}")
+             f"({session.transport.name}, timeout {session.timeout_s:g}s)")
+    return sync_error(exc, where, timed_out=is_timeout(exc) or "WeightSyncTimeout" in str(exc))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -10,10 +11,12 @@ from typing import Any
 import torch
 
 from workers.batch import Batch
-from workers.rollout import engine_ops
 from workers.rollout.config import EngineConfig, cuda_available, llm_kwargs, prepare_env
+from workers.rollout.control import SyncEndpoint
+from workers.rollout.cpu import engine_ops
 from workers.rollout.prompts import build_output, normalise
 from workers.rollout.sampling import SamplingConfig
+from workers.rollout.transport import SyncSession, receive_on_vllm_worker
 
 log = logging.getLogger(__name__)
 
@@ -21,14 +24,21 @@ log = logging.getLogger(__name__)
 class RolloutWorker:
     """A vLLM `LLM` built from the policy's HF folder (config + tokenizer).
 
-    Use it in-process (`RolloutWorker(cfg)`) or as an actor (`RolloutWorker.remote(cfg)` /
-    `ray.remote(RolloutWorker)`); every public method is one call, so a generate is one Ray round trip.
+    Use it in-process (`RolloutWorker(cfg)`) or as an actor (`RolloutWorker.start(cfg)`); every public
+    method is one call, so a generate is one Ray round trip. An actor given `log_path` writes all its
+    output (vLLM's included) there instead of to the driver's console.
     """
 
-    def __init__(self, config: EngineConfig | dict[str, Any], rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig | dict[str, Any], rank: int = 0, name: str | None = None,
+                 log_path: str | None = None) -> None:
+        if log_path:
+            from workers.group.worker import redirect_output
+
+            self._log_file = redirect_output(log_path)
         cfg = config if isinstance(config, EngineConfig) else EngineConfig(**config)
         self.cfg = cfg.validate()
         self.rank = rank
+        self.name = name or f"rollout/{rank}"  # the Ray actor name (RolloutGroup), and the log-line prefix
         self.work_dir = prepare_env(cfg)
         if not cuda_available():
             from workers.group.worker import set_niceness
@@ -57,17 +67,19 @@ class RolloutWorker:
         self._sync_endpoint: Any = None
 
     def __repr__(self) -> str:  # Ray prefixes the actor's log lines with it
-        return f"rollout/{self.rank}"
+        return self.name
 
     # ---- construction helpers -------------------------------------------------------------------
     @classmethod
-    def remote(cls, config: EngineConfig | dict[str, Any], rank: int = 0, **options: Any):
-        """Start the worker as a Ray actor with the config's CPU/GPU resources (`options` override)."""
+    def start(cls, config: EngineConfig | dict[str, Any], rank: int = 0, log_path: str | None = None,
+              **options: Any):
+        """Start the worker as a Ray actor with the config's CPU/GPU resources (`options` override; an
+        actor `name` is also the worker's display name)."""
         import ray
 
         cfg = config if isinstance(config, EngineConfig) else EngineConfig(**config)
         opts = {"num_cpus": cfg.num_cpus, "num_gpus": cfg.num_gpus, **options}
-        return ray.remote(cls).options(**opts).remote(cfg, rank)
+        return ray.remote(cls).options(**opts).remote(cfg, rank, opts.get("name"), log_path)
 
     # ---- rollout ---------------------------------------------------------------------------------
     def generate(self, prompts: Batch | Sequence[Any], sampling: SamplingConfig | dict | None = None) -> Batch:
@@ -137,23 +149,22 @@ class RolloutWorker:
 
     def open_sync_endpoint(self) -> tuple[str, int]:
         """Host the control store of weight sync in this process; return (host, port). Idempotent."""
-        from workers.rollout.transport import SyncEndpoint
-
         if self._sync_endpoint is None:
             self._sync_endpoint = SyncEndpoint.open()
         return self._sync_endpoint.address
 
-    def receive_weights(self, session: Any) -> dict[str, Any]:
-        """Receive side of `sync_weights`: stream buckets from the policy into the engine (one reload)."""
-        from workers.rollout.weight_sync import receive_into
-
+    def receive_weights(self, session: SyncSession) -> dict[str, Any]:
+        """Receive side of `sync_weights`: the session's transport loads the policy's weights in place."""
         if self.asleep:
             self.wake_up(tags=["weights"])
+        t0 = time.perf_counter()
         try:
-            stats = receive_into(self, session)
+            stats = self.llm.collective_rpc(receive_on_vllm_worker, args=(session, self.rank, self.cfg.tp))[0]
+            self.llm.reset_prefix_cache()
         except BaseException as exc:
             self.dirty = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             raise
+        stats["time_s"] = time.perf_counter() - t0
         self.dirty = None
         self.num_syncs += 1
         return stats
@@ -195,6 +206,7 @@ class RolloutWorker:
             "device": "cuda" if cuda_available() else "cpu",
             "vocab_size": int(vc.model_config.get_vocab_size()),
             "startup_s": round(self.startup_s, 2),
+            **_where(),
         }
 
     def ping(self) -> int:
@@ -208,6 +220,16 @@ class RolloutWorker:
             import gc
 
             gc.collect()
+
+
+def _where() -> dict[str, Any]:
+    """This process's pid, and its node when it runs under Ray (failure messages name both)."""
+    import ray
+
+    out: dict[str, Any] = {"pid": os.getpid()}
+    if ray.is_initialized():
+        out.update(node_ip=ray.util.get_node_ip_address(), node_id=ray.get_runtime_context().get_node_id())
+    return out
 
 
 def _sampling(sampling: SamplingConfig | dict | None) -> SamplingConfig:

@@ -1,9 +1,10 @@
 """Launch a function on N local ranks with torch.distributed + megatron parallel_state initialised.
 
-Used by tests, benchmarks and the offline converter: `run_distributed(fn, world_size, tp=, pp=)` spawns
-processes on 127.0.0.1 with a free port, calls `fn(*args)` on every rank after `init_distributed`, and
-returns the per-rank results (index = global rank). `fn` must be importable (module level), and the
-calling script needs an `if __name__ == "__main__":` guard (spawn start method).
+Used by the offline converter (`rlhf convert`), tests and benchmarks: `run_distributed(fn, world_size,
+tp=, pp=)` spawns processes on 127.0.0.1 with a free port, calls `fn(*args)` on every rank after
+`init_distributed` (inside the CPU device mode on CPU), and returns the per-rank results (index = global
+rank). `fn` must be importable (module level), and the calling script needs an `if __name__ ==
+"__main__":` guard (spawn start method).
 """
 
 from __future__ import annotations
@@ -43,13 +44,15 @@ def _worker(
         import torch
 
         torch.set_num_threads(threads)
+        from workers.megatron.cpu_compat import cpu_device_mode
         from workers.megatron.parallel import destroy_distributed, init_distributed
 
-        init_distributed(rank, world_size, "127.0.0.1", port, tp=tp, pp=pp)
-        try:
-            out = fn(*args)
-        finally:
-            destroy_distributed()
+        with cpu_device_mode():
+            init_distributed(rank, world_size, "127.0.0.1", port, tp=tp, pp=pp)
+            try:
+                out = fn(*args)
+            finally:
+                destroy_distributed()
         # Plain pickle: tensors travel by value, not as shared-memory handles that die with this process.
         results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # noqa: BLE001 - reported to the parent with its traceback

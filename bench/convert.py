@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench._common import WORK, machine_line, ratio_line, table  # noqa: E402
+from bench._common import WORK, machine_line, ratio_line, table
 
 PY = sys.executable
 

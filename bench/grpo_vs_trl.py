@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import _common as C  # noqa: E402
+from bench import _common as C
 
 CONFIG = "configs/grpo_tiny.yaml"
 OUT = C.WORK / "grpo_vs_trl"

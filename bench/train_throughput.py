@@ -28,9 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from workers.batch import Batch, pad_sequences  # noqa: E402
+from workers.batch import Batch, pad_sequences
 
 
 def make_batch(n: int, vocab: int, prompt_len: int, resp_len: int, seed: int = 0) -> Batch:

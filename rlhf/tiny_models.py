@@ -67,11 +67,7 @@ PRESETS: dict[str, TinyPreset] = {
 def _tokenizer_corpus(seed: int = 0) -> list[str]:
     """Text covering the example tasks: arithmetic Q/A, chat markup and some plain English."""
     rng = random.Random(seed)
-    words = (
-        "the a an is are was what how many plus minus times answer question user assistant system you i "
-        "to of and in it that for on with as be this by at from or have not but can will one two three "
-        "add sum number numbers result equals please compute think step hello world model train data text"
-    ).split()
+    words = ["the", "a", "an", "is", "are", "was", "what", "how", "many", "plus", "minus", "times", "answer", "question", "user", "assistant", "system", "you", "i", "to", "of", "and", "in", "it", "that", "for", "on", "with", "as", "be", "this", "by", "at", "from", "or", "have", "not", "but", "can", "will", "one", "two", "three", "add", "sum", "number", "numbers", "result", "equals", "please", "compute", "think", "step", "hello", "world", "model", "train", "data", "text"]
     lines = []
     for _ in range(3000):
         a, b = rng.randint(0, 999), rng.randint(0, 999)

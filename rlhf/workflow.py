@@ -203,5 +203,5 @@ class Roles:
         for h in self.all():
             try:
                 h.shutdown()
-            except Exception:
+            except Exception:  # noqa: BLE001 - shut the other roles down too
                 pass

@@ -35,7 +35,7 @@ def _load_config(folder: Path):
         raise UserError(f"{folder} has no config.json")
     try:
         return AutoConfig.from_pretrained(folder)
-    except Exception as e:  # noqa: BLE001 - any parse failure is a bad input folder
+    except Exception as e:
         raise UserError(f"cannot read {folder / 'config.json'}: {e}") from e
 
 

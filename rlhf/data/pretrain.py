@@ -28,7 +28,7 @@ SPLIT_NAMES = ("train", "valid", "test")
 def ensure_dataset_helpers() -> None:
     """Make sure megatron-core's C++ index helpers import; compile them once if the wheel lacks them."""
     try:
-        from megatron.core.datasets import helpers_cpp  # noqa: F401
+        from megatron.core.datasets import helpers_cpp
 
         return
     except ImportError:

@@ -151,19 +151,19 @@ def collate_sft(
     """Pad dataset items into a batch; keys and shapes in the module docstring."""
     if not items:
         raise ValueError("collate_sft needs at least one item")
-    S = seq_length or max(int(it["tokens"].numel()) for it in items)
-    B = len(items)
-    tokens = torch.full((B, S), pad_id, dtype=torch.long)
-    labels = torch.full((B, S), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros(B, S, dtype=torch.float32)
-    position_ids = torch.empty(B, S, dtype=torch.long)
+    width = seq_length or max(int(it["tokens"].numel()) for it in items)
+    rows = len(items)
+    tokens = torch.full((rows, width), pad_id, dtype=torch.long)
+    labels = torch.full((rows, width), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros(rows, width, dtype=torch.float32)
+    position_ids = torch.empty(rows, width, dtype=torch.long)
     for b, it in enumerate(items):
         n = int(it["tokens"].numel())
-        if n > S:
-            raise ValueError(f"item {b} has {n} tokens > seq_length {S}")
+        if n > width:
+            raise ValueError(f"item {b} has {n} tokens > seq_length {width}")
         tokens[b, :n] = it["tokens"]
         labels[b, :n] = it["labels"]
         loss_mask[b, :n] = it["loss_mask"]
-        segs = row_segments([int(s) for s in it["segment_lengths"]], S)
+        segs = row_segments([int(s) for s in it["segment_lengths"]], width)
         position_ids[b] = torch.cat([torch.arange(s) for s in segs])
     return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}

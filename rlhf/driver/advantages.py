@@ -33,7 +33,7 @@ def add_advantages(batch: Batch, algo: AlgorithmConfig, kl_coef: float) -> tuple
         algo.adv_estimator,
         token_level_rewards=rewards,
         response_mask=mask,
-        values=batch["values"] if "values" in batch else None,
+        values=batch["values"] if "values" in batch else None,  # noqa: SIM401 - a Batch has no .get
         group_ids=group_ids,
         gamma=algo.gamma,
         lam=algo.lam,

@@ -93,7 +93,7 @@ class MetricsLogger:
 
                 # console="off": leave stdout/stderr (and the progress bar) alone
                 self._wandb = wb.init(dir=str(run_dir), settings=wb.Settings(console="off"), **wandb)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - wandb never stops training
                 self._wandb_failed("init", e)
 
     def _wandb_failed(self, what: str, e: Exception) -> None:
@@ -111,7 +111,7 @@ class MetricsLogger:
                 name = f"{self._prefix}_{key}".replace("/", "_").replace("-", "_")
                 self._gauges[key] = Gauge(name, description=f"{self._prefix} {key}")
             self._gauges[key].set(float(value))
-        except Exception:  # metrics export must never break training
+        except Exception:  # noqa: BLE001 - metrics export must never break training
             pass
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
@@ -129,7 +129,7 @@ class MetricsLogger:
             try:
                 self._wandb.log({k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))},
                                 step=step)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - wandb never stops training
                 self._wandb_failed("log", e)
         if self._bar is not None:
             shown = {k: f"{row[k]:.4g}" for k in BAR_KEYS if isinstance(row.get(k), (int, float))}
@@ -146,7 +146,7 @@ class MetricsLogger:
         if self._wandb is not None:
             try:
                 self._wandb.finish()
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - wandb never stops training
                 self._wandb_failed("finish", e)
 
 

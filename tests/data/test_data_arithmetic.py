@@ -36,5 +36,5 @@ def test_files_load_as_prompts_sft_and_text(tmp_path, tok_dir):
 def test_script(tmp_path, capsys):
     assert make_data(["--out", str(tmp_path / "d"), "--val-size", "100"]) == 0
     assert "rl_val: " in capsys.readouterr().out
-    assert sum(1 for _ in open(tmp_path / "d" / "rl_val.jsonl")) == 100
+    assert len((tmp_path / "d" / "rl_val.jsonl").read_text().splitlines()) == 100
     assert make_data(["--out", str(tmp_path / "e"), "--val-size", "10000"]) == 2

@@ -165,13 +165,13 @@ def test_packing_keeps_each_sample_loss(sft_file, tok_dir):
 def test_collate_shapes(sft_file, tok_dir):
     ds = SFTDataset(sft_file, tok_dir, seq_length=64)
     batch = collate_sft([ds[0], ds[1]], ds.pad_id)
-    S = max(ds.lengths[0], ds.lengths[1])
-    assert batch["tokens"].shape == batch["labels"].shape == batch["position_ids"].shape == (2, S)
+    width = max(ds.lengths[0], ds.lengths[1])
+    assert batch["tokens"].shape == batch["labels"].shape == batch["position_ids"].shape == (2, width)
     assert batch["loss_mask"].dtype == torch.float32 and batch["tokens"].dtype == torch.long
     assert set(batch) == {"tokens", "labels", "loss_mask", "position_ids"}
     n0, n1 = ds.lengths[0], ds.lengths[1]
-    assert n0 < n1 == S
-    assert batch["position_ids"][0].tolist() == list(range(n0)) + list(range(S - n0))
+    assert n0 < n1 == width
+    assert batch["position_ids"][0].tolist() == list(range(n0)) + list(range(width - n0))
     assert batch["loss_mask"][0, n0:].sum() == 0 and (batch["tokens"][0, n0:] == ds.pad_id).all()
     fixed = ds.collate([ds[0]])
     assert fixed["tokens"].shape == (1, 64)

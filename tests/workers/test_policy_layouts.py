@@ -145,7 +145,7 @@ def test_nonfinite_step_is_skipped(env):
     bad = batch.index(list(range(4)))
     bad["advantages"] = torch.full_like(batch["advantages"], float("nan"))
     m = g.train_step(bad, {})
-    assert m["skipped_steps"] == 1 and not m["grad_norm"] == m["grad_norm"]  # NaN norm reported
+    assert m["skipped_steps"] == 1 and m["grad_norm"] != m["grad_norm"]  # NaN norm reported
     after = fetch_state_dict(g.state_dict_for_rollout())
     assert all(torch.equal(before[k], after[k]) for k in before)
 

@@ -423,7 +423,7 @@ class _ValueHeadSource(HFTensorSource):
     """HF tensors for a value model built from a causal-LM folder: the LM head is dropped and, when the
     folder has no `score.weight`, a deterministic one is made (same on every rank and layout)."""
 
-    def __init__(self, src: HFTensorSource, hidden: int, seed: int = 0) -> None:  # noqa: D107 - no super()
+    def __init__(self, src: HFTensorSource, hidden: int, seed: int = 0) -> None:
         self.src, self.hidden, self.seed = src, hidden, seed
         self._has_score = "score.weight" in src.shapes()
 

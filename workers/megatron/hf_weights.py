@@ -58,7 +58,7 @@ class HFTensorSource:
             raise ValueError(f"no *.safetensors files in {folder}")
         for f in files:
             handle = self._stack.enter_context(safe_open(str(f), framework="pt"))
-            for name in handle.keys():
+            for name in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                 if name in self._handles:
                     raise ValueError(f"tensor {name} appears in more than one safetensors file ({f.name})")
                 self._handles[name] = handle

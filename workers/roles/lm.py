@@ -63,7 +63,8 @@ def lm_batch_from_rl(batch: Batch) -> Batch:
     ids = batch["input_ids"]
     attn = batch["attention_mask"] if "attention_mask" in batch else torch.ones_like(ids)
     positions = (attn.long().cumsum(-1) - 1).clamp_min(0)  # each left-pad token is a segment of its own
-    target = (batch["loss_mask"] if "loss_mask" in batch else attn).to(torch.float32) * attn * (positions > 0)
+    target = (batch["loss_mask"] if "loss_mask" in batch else attn).to(torch.float32)  # noqa: SIM401 - no .get
+    target = target * attn * (positions > 0)
     loss_mask = torch.zeros_like(target)
     loss_mask[:, :-1] = target[:, 1:]  # labels[t] = input_ids[t + 1]
     return Batch({"tokens": ids, "labels": torch.roll(ids, -1, 1), "loss_mask": loss_mask,

@@ -88,10 +88,13 @@ def train(example: Example, out: Path) -> dict:
             "median_step_s": statistics.median(steps) if steps else float("nan"), "failure": failure}
 
 
-def run_stamp() -> str:
-    """Commit, time, cores and load of this run, for each row."""
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip() or "?"
+def head_commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                          text=True).stdout.strip() or "?"
+
+
+def run_stamp(commit: str) -> str:
+    """The commit the example started at, the time it finished, the cores and the load then."""
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     return f"{commit}, {stamp}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
 
@@ -113,7 +116,7 @@ def write_results(rows: list[str], results: Path) -> None:
     body = "\n".join([
         BEGIN,
         "Written by `make examples` (examples/learning.py): each config as shipped, wall time for the whole",
-        "`rlhf train` command; the run column gives the commit, the time the example finished, the cores and the",
+        "`rlhf train` command; the run column gives the commit it started at, the time it finished, the cores and the",
         "1-minute load average then.",
         "",
         "| example | curve (first -> last evaluation) | steps | median step | wall time | promise | result | run |",
@@ -144,8 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     rows, failed = [], []
     for example in chosen:
         print(f"== {example.name}: {example.promise}", flush=True)
+        commit = head_commit()
         res = train(example, args.out / example.name)
-        rows.append(row(example, res, run_stamp()))
+        rows.append(row(example, res, run_stamp(commit)))
         print(rows[-1], flush=True)
         if res["failure"]:
             failed.append(example.name)

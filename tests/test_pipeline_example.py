@@ -31,3 +31,6 @@ def test_pipeline_runs_every_stage(tmp_path):
     rows = [json.loads(x) for x in (out / "generations.jsonl").read_text().splitlines()]
     assert len(rows) == 5 and all(row["responses"] for row in rows)
     assert "greedy held-out accuracy" in r.stdout and not (out / "sft" / "left_over.txt").exists()
+    # the console shows each stage and its progress bar, not the engines' start-up lines
+    assert all(f"{i}/5 " in r.stdout for i in range(1, 6)) and "grpo: 100%" in r.stderr
+    assert "Loading safetensors checkpoint shards" not in r.stderr

@@ -42,6 +42,7 @@ def main() -> int:
 
     import ray
 
+    from rlhf.commands.train import quiet_libraries
     from rlhf.config import load_config
     from rlhf.data.arithmetic import write_arithmetic_data
     from rlhf.driver.lm import run_lm
@@ -51,6 +52,7 @@ def main() -> int:
     from rlhf.driver.warmstart import greedy_accuracy
     from rlhf.tiny_models import create_tiny_model
 
+    quiet_libraries()  # the console shows the stages and their progress bars; library chatter stays off it
     out = Path(args.out)
     if args.fresh:
         shutil.rmtree(out, ignore_errors=True)
@@ -60,12 +62,15 @@ def main() -> int:
     t0 = time.time()
     accuracy: dict[str, float] = {}
 
+    def say(text: str) -> None:
+        print(f"[pipeline {time.time() - t0:4.0f}s] {text}", flush=True)
+
     def report(stage: str, model_dir: Path) -> None:
         accuracy[stage] = greedy_accuracy(model_dir, val)
-        print(f"[pipeline {time.time() - t0:6.0f}s] {stage:<5} greedy held-out accuracy: {accuracy[stage]:.1%}",
-              flush=True)
+        say(f"{stage:<5} greedy held-out accuracy: {accuracy[stage]:.1%}")
 
     # 1. init: a tiny model and the task data (200 held-out pairs)
+    say(f"1/5 init: a tiny Qwen2 and the arithmetic task data in {out}")
     data_dir = out / "data"
     write_arithmetic_data(data_dir, seed=0, val_size=200)
     val = held_out(data_dir)
@@ -77,10 +82,11 @@ def main() -> int:
     init_ray(load_config("configs/sft_tiny.yaml").trainer)  # one embedded Ray for both training stages
     try:
         # 2. SFT on the Megatron backend
+        say(f"2/5 sft: {args.sft_steps} steps on the Megatron backend; logs in {out / 'sft' / 'logs'}")
         sft = load_config("configs/sft_tiny.yaml", [
             f"model.path={init_dir}", f"data.train_file={data_dir / 'sft_train.jsonl'}",
             f"data.val_file={data_dir / 'sft_val.jsonl'}", f"trainer.total_steps={args.sft_steps}",
-            f"trainer.output_dir={out / 'sft'}", "trainer.save_every=0", "trainer.progress_bar=false",
+            f"trainer.output_dir={out / 'sft'}", "trainer.save_every=0",
             # 32 packed rows per step (about 190 conversations) on both cores. The task is learnt in a sudden
             # drop of the loss whose onset moves by ~50 steps with mere float rounding (micro-batch size):
             # 300 steps of linear decay gave 78.5% or 17.5%, cosine 37.5%; hence 400 steps (2026-11-30).
@@ -91,23 +97,30 @@ def main() -> int:
         report("sft", out / "sft" / "hf")
 
         # 3. GRPO from the SFT model; 4. its policy is exported to HF at the end
+        say(f"3/5 grpo: {args.grpo_steps} steps (vLLM rollout, Megatron policy); logs in {out / 'grpo' / 'logs'}")
         grpo = load_config("configs/grpo_tiny.yaml", [
             f"model.path={out / 'sft' / 'hf'}", "model.warm_start_steps=0",
             f"data.train_file={data_dir / 'rl_train.jsonl'}", f"data.val_file={data_dir / 'rl_val.jsonl'}",
             "data.val_size=0", f"trainer.total_steps={args.grpo_steps}", f"trainer.output_dir={out / 'grpo'}",
-            "trainer.save_every=0", "trainer.val_every=50", "trainer.progress_bar=false", *args.grpo_overrides,
+            "trainer.save_every=0", "trainer.val_every=50", *args.grpo_overrides,
         ])
         run_rl(prepare_inputs(grpo))
     finally:
         ray.shutdown()
+    say(f"4/5 export: the policy in HF format at {out / 'grpo' / 'hf'}")
     report("grpo", out / "grpo" / "hf")
 
     # 5. generate a few answers from the exported model on the rollout engine
+    say("5/5 generate: `rlhf generate` on five held-out questions")
     prompts = out / "generate_prompts.jsonl"
     prompts.write_text("".join(json.dumps({"messages": m}) + "\n" for m, _ in val[:5]))
-    subprocess.run([sys.executable, "-m", "rlhf", "generate", "--model", str(out / "grpo" / "hf"),
-                    "--input", str(prompts), "--max-tokens", "8", "--output", str(out / "generations.jsonl")],
-                   check=True, stdout=subprocess.DEVNULL)
+    with (out / "generate.log").open("w") as log:  # the engine's start-up lines; shown if it fails
+        done = subprocess.run([sys.executable, "-m", "rlhf", "generate", "--model", str(out / "grpo" / "hf"),
+                               "--input", str(prompts), "--max-tokens", "8", "--output",
+                               str(out / "generations.jsonl")], stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        sys.stderr.write((out / "generate.log").read_text()[-4000:])
+        raise SystemExit(f"rlhf generate failed (exit {done.returncode}); its log: {out / 'generate.log'}")
     for (m, answer), row in zip(val, (json.loads(x) for x in (out / "generations.jsonl").read_text().splitlines())):
         print(f"  {m[0]['content']:<16} -> {row['responses'][0]!r:<8} (expected {answer})")
 
@@ -115,7 +128,8 @@ def main() -> int:
                "reward_curve": str(out / "grpo" / "report.png"), "summary": str(out / "grpo" / "summary.txt")}
     (out / "pipeline_summary.json").write_text(json.dumps(summary, indent=2))
     print(f"[pipeline] done in {summary['seconds']:.0f}s: " +
-          " -> ".join(f"{k} {v:.1%}" for k, v in accuracy.items()) + f"; reward curve in {summary['reward_curve']}")
+          " -> ".join(f"{k} {v:.1%}" for k, v in accuracy.items()) + f"; reward curve in {summary['reward_curve']}"
+          f", metrics and logs under {out / 'sft'} and {out / 'grpo'}")
     return 0
 
 

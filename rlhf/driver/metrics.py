@@ -85,7 +85,9 @@ class MetricsLogger:
         if progress_bar:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=start_step, desc=prefix, file=sys.stderr, dynamic_ncols=True)
+            # Off a terminal (a log file, CI) the bar is redrawn at most every 5 s rather than every step.
+            self._bar = tqdm(total=total_steps, initial=start_step, desc=prefix, file=sys.stderr, dynamic_ncols=True,
+                             mininterval=0.1 if sys.stderr.isatty() else 5.0)
         self._wandb = None
         if wandb is not None:
             try:
@@ -134,8 +136,7 @@ class MetricsLogger:
         if self._bar is not None:
             shown = {k: f"{row[k]:.4g}" for k in BAR_KEYS if isinstance(row.get(k), (int, float))}
             self._bar.set_postfix(shown, refresh=False)
-            self._bar.n = step
-            self._bar.refresh()
+            self._bar.update(step - self._bar.n)  # redraws no more often than mininterval
 
     def close(self) -> None:
         self._file.close()

@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "rlhf.commands.convert",
     "rlhf.commands.train",
     "rlhf.commands.generate",
+    "rlhf.commands.eval",
 ]
 
 

@@ -27,6 +27,7 @@ def test_pipeline_runs_every_stage(tmp_path):
     summary = json.loads((out / "pipeline_summary.json").read_text())
     assert list(summary["accuracy"]) == ["init", "sft", "grpo"]
     assert all(0.0 <= v <= 1.0 for v in summary["accuracy"].values())
+    assert abs(summary["eval_accuracy"] - summary["accuracy"]["grpo"]) <= 0.05  # rlhf eval agrees with HF greedy
     assert (out / "grpo" / "hf" / "model.safetensors").is_file() and (out / "grpo" / "report.png").is_file()
     rows = [json.loads(x) for x in (out / "generations.jsonl").read_text().splitlines()]
     assert len(rows) == 5 and all(row["responses"] for row in rows)

@@ -4,7 +4,7 @@
   2. SFT on the Megatron backend (assistant-only loss, packed rows);
   3. GRPO with the exact-match reward (vLLM rollout, Megatron policy);
   4. export the policy to HF safetensors;
-  5. `rlhf generate` a few answers from the export;
+  5. `rlhf generate` a few answers from the export, and `rlhf eval` on the held-out questions;
   and print the greedy held-out accuracy after each stage. `make run` runs it.
 
     python examples/pipeline_tiny/run.py --out runs/pipeline_tiny [--sft-steps 400 --grpo-steps 1500]
@@ -124,7 +124,17 @@ def main() -> int:
     for (m, answer), row in zip(val, (json.loads(x) for x in (out / "generations.jsonl").read_text().splitlines())):
         print(f"  {m[0]['content']:<16} -> {row['responses'][0]!r:<8} (expected {answer})")
 
-    summary = {"accuracy": accuracy, "seconds": round(time.time() - t0, 1),
+    # the same held-out questions through `rlhf eval` (vLLM greedy): agrees with the HF greedy accuracy above
+    with (out / "eval.log").open("w") as log:
+        done = subprocess.run([sys.executable, "-m", "rlhf", "eval", "--model", str(out / "grpo" / "hf"),
+                               "--tasks", f"prompts:{data_dir / 'rl_val.jsonl'}", "--max-tokens", "8",
+                               "--output", str(out / "eval" / "results.json")], stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        raise SystemExit(f"rlhf eval failed (exit {done.returncode}); its log: {out / 'eval.log'}")
+    evaluated = next(iter(json.loads((out / "eval" / "results.json").read_text())["tasks"].values()))["value"]
+    say(f"rlhf eval on the held-out questions: {evaluated:.1%} (the pipeline's own greedy check: {accuracy['grpo']:.1%})")
+
+    summary = {"accuracy": accuracy, "eval_accuracy": evaluated, "seconds": round(time.time() - t0, 1),
                "reward_curve": str(out / "grpo" / "report.png"), "summary": str(out / "grpo" / "summary.txt")}
     (out / "pipeline_summary.json").write_text(json.dumps(summary, indent=2))
     print(f"[pipeline] done in {summary['seconds']:.0f}s: " +

@@ -46,7 +46,7 @@ def _read_prompts(args: argparse.Namespace) -> list:
     return prompts
 
 
-def _hf_folder(model: str, tmp: str) -> str:
+def hf_folder(model: str, tmp: str) -> str:
     from rlhf.errors import UserError
 
     path = Path(model)
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UserError(str(e)) from None
     with tempfile.TemporaryDirectory(prefix="rlhf-generate-") as tmp:
-        model = _hf_folder(args.model, tmp)
+        model = hf_folder(args.model, tmp)
         engine = RolloutGroup(EngineConfig(model_path=model, dtype=args.dtype, kv_cache_gb=0.5), in_process=True)
         try:
             key = "prompt" if args.raw else "messages"

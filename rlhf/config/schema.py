@@ -172,6 +172,12 @@ class TrainerConfig:
     seed: int = 0
     save_every: int = 0  # 0: only at the end
     val_every: int = 0  # 0: only at the start and the end
+    # RL: `rlhf eval` tasks (e.g. [humaneval, "rg:basic_arithmetic"]) on the current policy through the running
+    # engine every eval_every steps and after the last; logged as eval/<task>/<metric>. 0: off.
+    eval_every: int = 0
+    eval_tasks: list[str] = field(default_factory=list)
+    eval_limit: int | None = 100  # items per task
+    eval_max_tokens: int = 256
     resume: str = "never"  # never | auto
     export_hf: bool = True
     timeout_s: float = 300.0  # every remote call

@@ -141,6 +141,7 @@ def validate_config(cfg: RunConfig) -> None:
     _choice(t.resume, "trainer.resume", ("never", "auto"))
     _require(t.save_every >= 0, "trainer.save_every", "an integer >= 0", t.save_every)
     _require(t.val_every >= 0, "trainer.val_every", "an integer >= 0", t.val_every)
+    _check_eval(cfg)
     check_wandb(t)
     _require(d.seq_length >= 1, "data.seq_length", "an integer >= 1", d.seq_length)
     shape = model_shape(cfg.model.path, cfg.model.preset)
@@ -203,6 +204,23 @@ def validate_config(cfg: RunConfig) -> None:
     if cfg.reward.fn and ":" not in cfg.reward.fn:
         _choice(cfg.reward.fn, "reward.fn", [*list_rewards(), "module:function"])
     _check_rl_batches(cfg)
+
+
+def _check_eval(cfg: RunConfig) -> None:
+    """trainer.eval_*: the tasks exist and their data loads (before any worker starts)."""
+    t = cfg.trainer
+    _require(t.eval_every >= 0, "trainer.eval_every", "an integer >= 0", t.eval_every)
+    _require(t.eval_max_tokens >= 1, "trainer.eval_max_tokens", "an integer >= 1", t.eval_max_tokens)
+    _require(t.eval_limit is None or t.eval_limit >= 1, "trainer.eval_limit", "null or an integer >= 1",
+             t.eval_limit)
+    if not t.eval_every:
+        return
+    if cfg.algorithm.name not in ("grpo", "ppo"):
+        raise ConfigError(f"trainer.eval_every: evaluation during training runs on the RL rollout engine; "
+                          f"algorithm.name={cfg.algorithm.name} has none (run `rlhf eval` on its checkpoint)")
+    if not t.eval_tasks:
+        raise ConfigError("trainer.eval_tasks: trainer.eval_every is set but no tasks are named "
+                          "(e.g. [humaneval, 'rg:basic_arithmetic', 'mc:mmlu/anatomy_test.csv'])")
 
 
 def check_wandb(t: TrainerConfig) -> None:

@@ -125,7 +125,7 @@ class MetricsLogger:
                 continue
             if self._tb is not None:
                 self._tb.add_scalar(k, v, step)
-            if k in GAUGE_KEYS or k.startswith("time/") or k.startswith("val/"):
+            if k in GAUGE_KEYS or k.startswith("time/") or k.startswith(("val/", "eval/")):
                 self._gauge(k, v)
         if self._wandb is not None:
             try:

@@ -33,6 +33,23 @@ def validate(roles: Roles, prompts: list[dict[str, Any]], batch_size: int = 256)
     return {"val/reward_mean": float(s.mean()) if len(s) else 0.0, "val/accuracy": accuracy(s)}
 
 
+def eval_tasks(cfg: RunConfig) -> Callable[[Roles], dict[str, float]] | None:
+    """trainer.eval_tasks loaded now (a bad name or file fails before Ray starts), as a function that
+    evaluates the current policy on the running engine."""
+    t = cfg.trainer
+    if not t.eval_every:
+        return None
+    from transformers import AutoTokenizer
+
+    from rlhf.eval.run import EvalOptions, eval_metrics
+    from rlhf.eval.tasks import load_task
+
+    tasks = [load_task(name, t.eval_limit, seed=t.seed) for name in t.eval_tasks]
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+    opts = EvalOptions(max_tokens=t.eval_max_tokens, seed=t.seed)
+    return lambda roles: eval_metrics(roles.rollout.group, tokenizer, tasks, opts)
+
+
 def default_step_fn(cfg: RunConfig) -> StepFn:
     if cfg.algorithm.name == "ppo":
         from rlhf.driver.ppo import ppo_step
@@ -52,6 +69,7 @@ def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
     train, val = load_prompt_dataset(d.train_file, d.val_file, val_size=d.val_size, prompt_key=d.prompt_key,
                                      messages_key=d.messages_key, answer_key=d.answer_key, seed=d.seed)
     loader = PromptLoader(train, d.prompts_per_step, seed=d.seed)
+    evals = eval_tasks(cfg)
     kl_ctrl = make_kl_controller(a.kl_ctrl, a.kl_coef, target=a.kl_target, horizon=a.kl_horizon)
     last: dict[str, float] = {}
     with RunScaffold(cfg) as run:
@@ -91,6 +109,8 @@ def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
             metrics["tokens_per_s"] = metrics.get("response_tokens", 0.0) / metrics["step_time_s"]
             if val and run.due(step, t.val_every):
                 metrics.update(validate(roles, val))
+            if evals and run.due(step, t.eval_every):
+                metrics.update(evals(roles))
             logger.log(step, metrics)
             last = metrics
             if run.due(step, t.save_every):

@@ -38,6 +38,16 @@ def evaluate(engine: Any, tokenizer: Any, task: Task, opts: EvalOptions) -> dict
             "n": len(task.items), "config": config, "metrics": metrics, "samples": samples}
 
 
+def eval_metrics(engine: Any, tokenizer: Any, tasks: list[Task], opts: EvalOptions) -> dict[str, float]:
+    """Every task's scalar metrics as `eval/<task>/<metric>` (for the training loop's metric sinks)."""
+    out = {}
+    for task in tasks:
+        for name, m in evaluate(engine, tokenizer, task, opts)["metrics"].items():
+            if isinstance(m["value"], (int, float)):
+                out[f"eval/{task.name}/{name}"] = float(m["value"])
+    return out
+
+
 def generate(engine: Any, task: Task, opts: EvalOptions) -> list[list[str]]:
     """`opts.n` responses per item, in item order."""
     from workers.batch import Batch

@@ -58,14 +58,18 @@ def test_grpo_two_steps(tmp_path, zero_copy):
 
 
 def test_ppo_two_steps(tmp_path):
+    """PPO with a critic, and benchmark evaluation every step through the running engine."""
     run = tmp_path / "ppo"
     r = rlhf("train", "configs/ppo_tiny.yaml", *FAST, "critic.micro_batch_size=8", "reference.micro_batch_size=8",
-             "trainer.total_steps=2", "trainer.save_every=2", f"trainer.output_dir={run}")
+             "trainer.total_steps=2", "trainer.save_every=2", f"trainer.output_dir={run}", "trainer.eval_every=1",
+             "trainer.eval_tasks=[rg:basic_arithmetic,humaneval]", "trainer.eval_limit=2", "trainer.eval_max_tokens=8")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     rows = [row for row in metrics(run) if row["step"] > 0]
     assert len(rows) == 2
     for key in ("reward_mean", "kl", "kl_coef", "critic/vf_loss", "time/critic", "time/reference"):
         assert key in rows[0], key
+    for row in rows:
+        assert 0.0 <= row["eval/rg:basic_arithmetic/accuracy"] <= 1.0 and 0.0 <= row["eval/humaneval/pass@1"] <= 1.0
     latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
     assert (latest / "critic").is_dir() and (latest / "policy").is_dir()
 
@@ -94,6 +98,8 @@ def test_resume_is_deterministic(tmp_path):
         (["reward.fn=no_such_reward"], ["reward.fn", "no_such_reward"]),
         (["reward.fn=no_such_module:fn"], ["reward.fn", "no_such_module"]),
         (["data.task=null", "data.train_file=/nonexistent/prompts.jsonl"], ["/nonexistent/prompts.jsonl"]),
+        (["trainer.eval_every=1", "trainer.eval_tasks=[nope]"], ["unknown task 'nope'", "humaneval"]),
+        (["trainer.eval_every=1"], ["trainer.eval_tasks"]),
     ],
 )
 def test_bad_input_fails_before_workers(tmp_path, overrides, words):

@@ -72,6 +72,10 @@ def test_option_loglikelihoods_equal_transformers(engine, tmp_path):
     (tmp_path / "algebra_test.csv").write_text("What is 2+2?,3,4,5,22,B\nPick the vowel,b,c,e,d,C\n")
     task = load_task(f"mc:{tmp_path / 'algebra_test.csv'}")
     tok = AutoTokenizer.from_pretrained(model_dir)
+    # letters (single tokens: the next-token path) and whole answers (several tokens: the prompt log-probs)
+    # letters (short: token by token from the prefix cache) and long answers (whole, by prompt log-probs)
+    task.items.append(Item("Q: the capital of France?\nA:", 0, choices=[" Paris, of course it is", " Lyon or so"]))
+    assert len(tok.encode(task.items[-1].choices[0], add_special_tokens=False)) > 4
     ours = option_logprobs(group, tok, task.items)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     for item, lps in zip(task.items, ours):

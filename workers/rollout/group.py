@@ -174,6 +174,11 @@ class RolloutGroup:
         """Every engine's logprobs of `sequences` (tokens after the first)."""
         return self._all("score", sequences)
 
+    def next_token_logprobs(self, prompts: list[list[int]], candidates: list[list[int]]) -> list[list[float]]:
+        """See `RolloutWorker.next_token_logprobs` (one engine answers)."""
+        return self._wait([self._submit(0, "next_token_logprobs", prompts, candidates)], [0],
+                          "next_token_logprobs")[0]
+
     # ---- weights -----------------------------------------------------------------------------
     def sync_endpoint(self) -> tuple[str, int]:
         if self._endpoint is None:

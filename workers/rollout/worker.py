@@ -132,6 +132,19 @@ class RolloutWorker:
             out.append([float(step[int(t)].logprob) for step, t in zip(steps, seq[1:])])
         return out
 
+    def next_token_logprobs(self, prompts: Sequence[Sequence[int]],
+                            candidates: Sequence[Sequence[int]]) -> list[list[float]]:
+        """Log-prob of each candidate token as the next token after its prompt (over the whole vocabulary).
+        Unlike `score`, shared prompt prefixes come from the prefix cache."""
+        from vllm import SamplingParams
+
+        self._check_awake()
+        params = [SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=[int(t) for t in c],
+                                 detokenize=False) for c in candidates]
+        res = self.llm.generate([{"prompt_token_ids": [int(t) for t in p]} for p in prompts], params,
+                                use_tqdm=False)
+        return [[float(r.outputs[0].logprobs[0][int(t)].logprob) for t in c] for r, c in zip(res, candidates)]
+
     # ---- weights ---------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load HF-named tensors in place (any subset of whole layers), then reset the prefix cache."""

@@ -86,18 +86,22 @@ def normalise(prompts: Batch | Sequence[Any], tokenizer: Any) -> Prompts:
 
 def build_output(prompts: Prompts, outputs: Sequence[Sequence[Any]], n: int, pad_id: int,
                  tokenizer: Any = None) -> Batch:
-    """The generate Batch (see RolloutWorker.generate) from vLLM's per-prompt completion lists.
+    """The generate Batch (see RolloutWorker.generate) from vLLM's per-prompt completion lists, or from
+    agent trajectories (which carry `sampled_logprobs` and a `mask`: 1 on the model's own tokens).
 
     Responses that vLLM did not detokenise (no stop strings) are decoded here in one batched call."""
     rows = len(prompts.ids) * n
     resp_ids: list[list[int]] = []
     resp_lp: list[list[float]] = []
+    masks: list[list[int] | None] = []
     texts, reasons = [], []
     for comps in outputs:
         for c in comps:
             toks = list(c.token_ids)
             resp_ids.append(toks)
-            resp_lp.append(_sampled_logprobs(c.logprobs, toks))
+            lp = getattr(c, "sampled_logprobs", None)
+            resp_lp.append(lp if lp is not None else sampled_logprobs(c.logprobs, toks))
+            masks.append(getattr(c, "mask", None))
             texts.append(c.text)
             reasons.append(c.finish_reason or "length")
     if len(resp_ids) != rows:
@@ -117,6 +121,10 @@ def build_output(prompts: Prompts, outputs: Sequence[Sequence[Any]], n: int, pad
             input_ids[row, width_p:width_p + len(r)] = torch.tensor(r)
             attn[row, width_p:width_p + len(r)] = 1
             logprobs[row, :len(r)] = torch.tensor(resp_lp[row], dtype=torch.float32)
+    response_mask = attn[:, width_p:].clone()
+    for row, mask in enumerate(masks):
+        if mask is not None:
+            response_mask[row, :len(mask)] = torch.tensor(mask, dtype=torch.long)
     repeat = [i // n for i in range(rows)]
     base = prompts.source.index(repeat)
     out = Batch(
@@ -124,7 +132,7 @@ def build_output(prompts: Prompts, outputs: Sequence[Sequence[Any]], n: int, pad
             "input_ids": input_ids,
             "attention_mask": attn,
             "responses": input_ids[:, width_p:].clone(),
-            "response_mask": attn[:, width_p:].clone(),
+            "response_mask": response_mask,
             "rollout_logprobs": logprobs,
         },
         meta={
@@ -137,7 +145,7 @@ def build_output(prompts: Prompts, outputs: Sequence[Sequence[Any]], n: int, pad
     return base.union(out)
 
 
-def _sampled_logprobs(logprobs: Any, toks: list[int]) -> list[float]:
+def sampled_logprobs(logprobs: Any, toks: list[int]) -> list[float]:
     """The sampled token's logprob at each step (vLLM returns a dict or a flat container per step)."""
     if logprobs is None:
         return [0.0] * len(toks)

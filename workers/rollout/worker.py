@@ -14,7 +14,7 @@ from workers.batch import Batch
 from workers.rollout.config import EngineConfig, cuda_available, llm_kwargs, prepare_env
 from workers.rollout.control import SyncEndpoint
 from workers.rollout.cpu import engine_ops
-from workers.rollout.prompts import build_output, normalise
+from workers.rollout.prompts import as_batch, build_output, normalise
 from workers.rollout.sampling import SamplingConfig
 from workers.rollout.transport import SyncSession, receive_on_vllm_worker
 
@@ -117,6 +117,40 @@ class RolloutWorker:
             "rollout/response_tokens": n_tok,
             "rollout/tokens_per_s": n_tok / max(t2 - t1, 1e-9),
         })
+        return out
+
+    def generate_agent(self, prompts: Batch | Sequence[Any], sampling: SamplingConfig | dict | None = None,
+                       tools: Sequence[str] = (), max_turns: int = 4, max_total_tokens: int = 256,
+                       tool_timeout_s: float = 10.0) -> Batch:
+        """Multi-turn rollouts with tool calls (workers/agent/loop.py): the same Batch as `generate`, with
+        `response_mask` 0 on tool outputs and template glue, plus info `agent/*` metrics. Prompts must be chat
+        messages (meta `messages`, or `prompt` as message lists); `sampling.max_tokens` caps each turn."""
+        from workers.agent.loop import AgentConfig, run_agent
+        from workers.agent.toolcalls import CLOSE
+        from workers.agent.tools import load_tools
+
+        sp = _sampling(sampling)
+        self._check_awake()
+        batch = as_batch(prompts)
+        chats = batch.meta.get("messages") or batch.meta.get("prompt") or []
+        if len(chats) != len(batch) or not all(isinstance(m, list) for m in chats):
+            raise ValueError("generate_agent needs chat messages per prompt (meta `messages`)")
+        p = normalise(batch, self.tokenizer)
+        one = sp.with_(n=1, stop=[*sp.stop, CLOSE])
+        rows = len(p.ids) * sp.n
+
+        def params(i: int, max_tokens: int) -> Any:
+            return one.with_(max_tokens=max_tokens).to_vllm(seed=None if sp.seed is None else sp.seed + i)
+
+        cfg = AgentConfig(load_tools(list(tools)), max_turns=max_turns, max_total_tokens=max_total_tokens,
+                          tool_timeout_s=tool_timeout_s)
+        t0 = time.perf_counter()
+        trajs, metrics = run_agent(self.llm, self.tokenizer, [chats[i // sp.n] for i in range(rows)],
+                                   [p.ids[i // sp.n] for i in range(rows)], params, sp.max_tokens, cfg)
+        comps = [trajs[i * sp.n:(i + 1) * sp.n] for i in range(len(p.ids))]
+        out = build_output(p, comps, sp.n, self.pad_id, tokenizer=None)
+        out.info.update({**metrics, "rollout/total_s": time.perf_counter() - t0,
+                         "rollout/response_tokens": int(out.tensors["response_mask"].sum())})
         return out
 
     def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:

@@ -1,0 +1,158 @@
+"""Tool calls, tools and the multi-turn agent loop on the real vLLM engine (a tiny random model, its first
+turn forced to a tool call by vLLM's structured outputs)."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from workers.agent.loop import AgentConfig, run_agent
+from workers.agent.toolcalls import CLOSE, ToolCall, parse_tool_calls
+from workers.agent.tools import Tool, calculator, load_tools, run_call
+
+
+def test_parser_well_formed_and_string_arguments():
+    text = ('I will compute. <tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}</tool_call>'
+            '<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}</tool_call>')
+    calls = parse_tool_calls(text)
+    assert [(c.name, c.arguments, c.error) for c in calls] == [
+        ("calculator", {"expression": "2*3"}, None), ("python", {"code": "print(1)"}, None)]
+
+
+@pytest.mark.parametrize("body, error", [
+    ("{not json", "malformed: not JSON"),
+    ("[1, 2]", "malformed: expected a JSON object"),
+    ('{"arguments": {}}', "malformed: no tool name"),
+    ('{"name": "calculator", "arguments": [1]}', "bad arguments"),
+    ('{"name": "x", "arguments": "{oops"}', "bad arguments"),
+    ('{"name": "x", "arguments": {"a": "' + "y" * 20000 + '"}}', "malformed: call longer than"),
+])
+def test_parser_malformed_and_adversarial(body, error):
+    calls = parse_tool_calls(f"<tool_call>{body}</tool_call>")
+    assert len(calls) == 1 and calls[0].error and calls[0].error.startswith(error), calls
+
+
+def test_parser_unclosed_nested_and_many():
+    assert parse_tool_calls("<tool_call>{\"name\": \"a\"}")[0].error.startswith("malformed: <tool_call> without")
+    assert parse_tool_calls("no calls here") == []
+    nested = parse_tool_calls('<tool_call><tool_call>{"name": "a"}</tool_call></tool_call>')
+    assert nested[0].error.startswith("malformed")
+    many = "".join('<tool_call>{"name": "a"}</tool_call>' for _ in range(100))
+    assert len(parse_tool_calls(many, max_calls=8)) == 8
+
+
+def test_calculator_is_arithmetic_only():
+    assert calculator("(2 + 3) * 4 - 10 / 5") == "18"
+    assert calculator("7 / 2") == "3.5"
+    for bad in ("__import__('os').system('true')", "2 ** 10000", "a + 1", "[1][0]"):
+        with pytest.raises(ValueError):
+            calculator(bad)
+
+
+def _slow(x: str) -> str:
+    time.sleep(5)
+    return x
+
+
+def _boom(x: str) -> str:
+    raise RuntimeError("tool broke")
+
+
+def test_tool_failures_become_error_texts():
+    tools = {**load_tools(["calculator", "python"]), "slow": Tool("slow", _slow), "boom": Tool("boom", _boom)}
+    with ThreadPoolExecutor(2) as pool:
+        cases = [
+            (ToolCall("nope", {}), "unknown tool"), (ToolCall("calculator", {"expr": "1"}), "bad arguments"),
+            (ToolCall("boom", {"x": "1"}), "exception"), (ToolCall("slow", {"x": "1"}), "timeout"),
+            (ToolCall(error="malformed: not JSON (x)"), "malformed"),
+            (ToolCall("calculator", {"expression": "import os"}), "exception"),
+        ]
+        for call, kind in cases:
+            text, got = run_call(call, tools, pool, timeout_s=0.5)
+            assert got == kind and text.startswith("error:"), (call, text, got)
+        text, kind = run_call(ToolCall("python", {"code": "import os; print(os.getcwd())"}), tools, pool, 30)
+        assert kind is None and text.strip() == "/work"  # model-written code runs in the sandbox
+    with pytest.raises(ValueError, match="unknown tool"):
+        load_tools(["shell"])
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_factory):
+    from transformers import AutoTokenizer
+
+    from workers.rollout import EngineConfig, RolloutGroup
+
+    model = tiny_model_factory("tiny-qwen2")
+    group = RolloutGroup(EngineConfig(model_path=model, kv_cache_gb=0.25), in_process=True)
+    yield group, AutoTokenizer.from_pretrained(model)
+    group.shutdown()
+
+
+def test_scripted_two_turn_trajectory_token_in_token_out(engine):
+    """Turn 1 is forced to a calculator call; turn 2 is free. What the policy would train on (the Batch from
+    build_output) is exactly the engine's sampled ids plus the tool turn's ids, with the mask 0 on the tool
+    turn and the engine's log-probs on the model's tokens."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from workers.batch import Batch
+    from workers.rollout.prompts import build_output, normalise
+    from workers.rollout.sampling import SamplingConfig
+
+    group, tok = engine
+    llm = group.engines[0].llm
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "17*3"}}</tool_call>'
+    base = SamplingConfig(n=1, temperature=1.0, max_tokens=200, seed=0, stop=[CLOSE])
+
+    def params(i: int, max_tokens: int):
+        sp = base.with_(max_tokens=max_tokens if not turns[i] else min(8, max_tokens), seed=i).to_vllm()
+        if not turns[i]:
+            sp.structured_outputs = StructuredOutputsParams(choice=[call])
+        turns[i] += 1
+        return sp
+
+    messages = [[{"role": "user", "content": "What is 17*3?"}]] * 2
+    prompts = normalise(Batch(meta={"messages": messages}), tok)
+    turns = [0, 0]
+    trajs, metrics = run_agent(llm, tok, messages, prompts.ids, params, 200,
+                               AgentConfig(load_tools(["calculator"]), max_turns=2, max_total_tokens=400))
+    assert metrics["agent/tool_calls"] == 2 and metrics["agent/tool_errors"] == 0
+    for t in trajs:
+        assert len(t.sampled_logprobs) == len(t.token_ids) == len(t.mask), (len(t.sampled_logprobs), len(t.token_ids))
+        assert t.turns == 2 and t.messages[1]["content"] == call and t.messages[2] == {"role": "tool",
+                                                                                      "content": "51"}
+        first = t.mask.index(0)
+        glue_len = t.mask[first:].index(1) if 1 in t.mask[first:] else len(t.mask) - first
+        assert tok.decode(t.token_ids[:first]) == call.replace(CLOSE, "") or \
+            tok.decode(t.token_ids[:first]).startswith(call.replace(CLOSE, ""))
+        glue = tok.decode(t.token_ids[first:first + glue_len])
+        assert "51" in glue and glue.rstrip().endswith("assistant") and "tool" in glue
+        # the ids continue the conversation exactly as the chat template renders it
+        rendered = tok.apply_chat_template(t.messages[:3], tokenize=False, add_generation_prompt=True)
+        assert tok.decode(prompts.ids[0] + t.token_ids[:first + glue_len]) == rendered
+        # log-probs of the freely sampled turn are the engine's (recomputed here by prompt log-probs); the
+        # forced turn carries what vLLM reports under structured outputs (not the model's), the tool turn 0
+        ref = group.score_all([prompts.ids[0] + t.token_ids])[0][0][len(prompts.ids[0]) - 1:]
+        for j, m in enumerate(t.mask):
+            if m and j >= first + glue_len:
+                assert t.sampled_logprobs[j] == pytest.approx(ref[j], abs=1e-4)
+            elif not m:
+                assert t.sampled_logprobs[j] == 0.0
+    batch = build_output(prompts, [[t] for t in trajs], 1, group.engines[0].pad_id)
+    for row, t in enumerate(trajs):
+        n = len(t.token_ids)
+        assert batch["responses"][row, :n].tolist() == t.token_ids
+        assert batch["response_mask"][row, :n].tolist() == t.mask
+        assert batch["rollout_logprobs"][row, :n].tolist() == pytest.approx(t.sampled_logprobs)
+
+
+def test_generate_agent_on_the_engine(engine):
+    group, _ = engine
+    from workers.batch import Batch
+
+    out = group.engines[0].generate_agent(Batch(meta={"messages": [[{"role": "user", "content": "hi"}]] * 2}),
+                                          {"n": 2, "max_tokens": 8, "temperature": 1.0},
+                                          tools=["calculator"], max_turns=2, max_total_tokens=32)
+    assert out["responses"].shape[0] == 4 and out["response_mask"].sum() > 0
+    assert {"agent/turns_mean", "agent/tool_calls", "agent/truncated"} <= set(out.info)

@@ -138,13 +138,15 @@ def prompt_batch(records: list[dict[str, Any]]) -> Batch:
 class RolloutHandle:
     """The vLLM rollout engines (a RolloutGroup)."""
 
-    def __init__(self, group: Any, sampling: Any, sync_config: Any) -> None:
-        self.group, self.sampling, self.sync_config = group, sampling, sync_config
+    def __init__(self, group: Any, sampling: Any, sync_config: Any, agent: dict[str, Any] | None = None) -> None:
+        self.group, self.sampling, self.sync_config, self.agent = group, sampling, sync_config, agent
 
     def generate(self, prompts: list[dict[str, Any]] | Batch, **sampling: Any) -> Batch:
-        """Sample responses for prompt records (`messages` or `prompt`, plus `ground_truth`) or a prompt Batch."""
+        """Sample responses for prompt records (`messages` or `prompt`, plus `ground_truth`) or a prompt Batch;
+        with rollout.tools, multi-turn trajectories with tool calls."""
         params = self.sampling.with_(**sampling) if sampling else self.sampling
-        return self.group.generate(prompts if isinstance(prompts, Batch) else prompt_batch(prompts), params)
+        return self.group.generate(prompts if isinstance(prompts, Batch) else prompt_batch(prompts), params,
+                                   agent=self.agent)
 
     def sync_weights(self, policy: PolicyHandle, verify: bool | None = None) -> dict[str, Any]:
         return self.group.sync_weights(policy.group, self.sync_config, verify=verify)
@@ -186,8 +188,12 @@ class Roles:
             engine = EngineConfig.from_config(cfg.rollout, model_path=cfg.model.path,
                                               tokenizer_path=cfg.model.tokenizer_path, logprobs_mode=mode)
             group = RolloutGroup(engine, timeout_s=cfg.trainer.timeout_s, name="rollout", log_dir=run_dir / "logs")
+            r = cfg.rollout
+            agent = {"tools": list(r.tools), "max_turns": r.max_turns, "max_total_tokens": r.max_total_tokens,
+                     "tool_timeout_s": r.tool_timeout_s} if r.tools else None
             handles["rollout"] = RolloutHandle(group, SamplingConfig.from_config(cfg.rollout),
-                                               SyncConfig.from_config(cfg.rollout, timeout_s=cfg.trainer.timeout_s))
+                                               SyncConfig.from_config(cfg.rollout, timeout_s=cfg.trainer.timeout_s),
+                                               agent)
         except BaseException:
             for h in [*handles.values(), reward]:
                 h.shutdown()

@@ -88,6 +88,12 @@ class RolloutConfig:
     verify_first_sync: bool = True
     verify_every_sync: bool = False
     verify_tolerance: float = 1e-3
+    # Multi-turn tool use: built-in tools (calculator, python: runs in the sandbox) or module:function.
+    # Empty: one response per prompt. max_tokens then caps each model turn.
+    tools: list[str] = field(default_factory=list)
+    max_turns: int = 4
+    max_total_tokens: int = 256  # a trajectory's response tokens, model and tool turns together
+    tool_timeout_s: float = 10.0
 
 
 @dataclass

@@ -142,6 +142,7 @@ def validate_config(cfg: RunConfig) -> None:
     _require(t.save_every >= 0, "trainer.save_every", "an integer >= 0", t.save_every)
     _require(t.val_every >= 0, "trainer.val_every", "an integer >= 0", t.val_every)
     _check_eval(cfg)
+    _check_tools(cfg)
     check_wandb(t)
     _require(d.seq_length >= 1, "data.seq_length", "an integer >= 1", d.seq_length)
     shape = model_shape(cfg.model.path, cfg.model.preset)
@@ -204,6 +205,24 @@ def validate_config(cfg: RunConfig) -> None:
     if cfg.reward.fn and ":" not in cfg.reward.fn:
         _choice(cfg.reward.fn, "reward.fn", [*list_rewards(), "module:function"])
     _check_rl_batches(cfg)
+
+
+def _check_tools(cfg: RunConfig) -> None:
+    """rollout.tools load (a user's module:function is imported here, before any worker starts)."""
+    r = cfg.rollout
+    if not r.tools:
+        return
+    from workers.agent.tools import load_tools
+
+    _require(r.max_turns >= 1, "rollout.max_turns", "an integer >= 1", r.max_turns)
+    _require(r.tool_timeout_s > 0, "rollout.tool_timeout_s", "seconds > 0", r.tool_timeout_s)
+    if r.max_total_tokens < r.max_tokens:
+        raise ConfigError(f"rollout.max_total_tokens={r.max_total_tokens} must be >= rollout.max_tokens="
+                          f"{r.max_tokens} (a trajectory's budget holds at least one model turn)")
+    try:
+        load_tools(list(r.tools))
+    except (ValueError, ImportError, AttributeError) as e:
+        raise ConfigError(f"rollout.tools: {e}") from None
 
 
 def _check_eval(cfg: RunConfig) -> None:

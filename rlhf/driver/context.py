@@ -52,6 +52,7 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
         out["response_clip_ratio"] = sum(r == "length" for r in batch["finish_reason"]) / max(len(batch), 1)
     if "entropy" in batch:
         out["entropy"] = float((batch["entropy"] * mask).sum() / mask.sum().clamp(min=1))
+    out.update({k: float(v) for k, v in batch.info.items() if k.startswith("agent/")})
     return out
 
 

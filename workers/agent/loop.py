@@ -1,8 +1,8 @@
 """The multi-turn agent loop on a vLLM engine, token in, token out.
 
 A trajectory generates until a tool call (`</tool_call>`), the end of its turn or its token budget; the
-calls run (concurrently across trajectories, each with a timeout) and their results are appended as `tool`
-messages, tokenised once as the chat template's glue between turns; then generation continues from the
+calls run in threads (each with a timeout) while the engine keeps stepping the other trajectories, and their
+results are appended as `tool` messages, tokenised once as the chat template's glue between turns; then generation continues from the
 exact token ids so far, never re-tokenised from text. The response mask is 1 on the model's own tokens only,
 and the sampled-token log-probs are kept for those.
 """
@@ -10,9 +10,10 @@ and the sampled-token log-probs are kept for those.
 from __future__ import annotations
 
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,70 +49,101 @@ class Trajectory:
 ParamsFn = Callable[[int, int], Any]  # (trajectory index, max new tokens) -> vLLM SamplingParams stopping at CLOSE
 
 
+class _Run:
+    """The state of one `run_agent` call: trajectories, their tool futures and the counters."""
+
+    def __init__(self, llm: Any, tokenizer: Any, params: ParamsFn, max_tokens_per_turn: int, cfg: AgentConfig,
+                 trajs: list[Trajectory]) -> None:
+        self.engine, self.tokenizer, self.params, self.per_turn, self.cfg = (
+            llm.llm_engine, tokenizer, params, max_tokens_per_turn, cfg)
+        self.trajs = trajs
+        self.tag = uuid.uuid4().hex[:8]
+        self.errors: Counter[str] = Counter()
+        self.calls, self.tool_s = 0, 0.0
+
+    def submit(self, i: int) -> None:
+        """Queue trajectory i's next model turn on the engine."""
+        from vllm.sampling_params import RequestOutputKind
+
+        t = self.trajs[i]
+        left = self.cfg.max_total_tokens - len(t.token_ids)
+        sp = self.params(i, max(1, min(self.per_turn, left)))
+        sp.output_kind = RequestOutputKind.FINAL_ONLY
+        self.engine.add_request(f"agent-{self.tag}-{i}-{t.turns}", {"prompt_token_ids": t.prompt_ids + t.token_ids},
+                                sp)
+
+    def finished_turn(self, i: int, c: Any) -> list:
+        """Record a finished model turn; return its tool calls (empty: the trajectory is done)."""
+        t = self.trajs[i]
+        t.turns += 1
+        toks = list(c.token_ids)
+        t.token_ids += toks
+        t.mask += [1] * len(toks)
+        t.sampled_logprobs += sampled_logprobs(c.logprobs, toks)
+        # vLLM cuts the stop string from the text (not from the tokens): put the tag back
+        text = c.text + CLOSE if c.stop_reason == CLOSE and not c.text.endswith(CLOSE) else c.text
+        t.text = text  # the reward scores the last model turn
+        t.messages.append({"role": "assistant", "content": text})
+        t.finish_reason = c.finish_reason or "length"
+        found = parse_tool_calls(text) if c.stop_reason == CLOSE else []
+        if not found or len(t.token_ids) >= self.cfg.max_total_tokens or t.turns >= self.cfg.max_turns:
+            if found:  # out of turns or tokens with a call pending
+                t.finish_reason = "length"
+            t.done = True
+            return []
+        return found
+
+    def tool_results(self, i: int, found: list, res: list[tuple[str, str | None]]) -> bool:
+        """Append the tool turn; False when no room is left for the model to answer."""
+        t = self.trajs[i]
+        self.calls += len(found)
+        self.errors.update(kind for _, kind in res if kind)
+        glue = _tool_turn_ids(self.tokenizer, t.messages, [text for text, _ in res])
+        if len(glue) >= self.cfg.max_total_tokens - len(t.token_ids):
+            t.done, t.finish_reason = True, "length"
+            return False
+        t.token_ids += glue
+        t.mask += [0] * len(glue)
+        t.sampled_logprobs += [0.0] * len(glue)
+        t.messages += [{"role": "tool", "content": text} for text, _ in res]
+        return True
+
+
 def run_agent(llm: Any, tokenizer: Any, messages: list[list[dict[str, str]]], prompt_ids: list[list[int]],
               params: ParamsFn, max_tokens_per_turn: int, cfg: AgentConfig) -> tuple[list[Trajectory], dict[str, float]]:
-    """Run one trajectory per (messages, prompt_ids). Returns the trajectories and `agent/*` metrics."""
+    """Run one trajectory per (messages, prompt_ids), each at its own pace: the engine steps while tools run
+    in threads, and a trajectory's next turn joins the engine's batch as soon as its tool results are in.
+    Returns the trajectories and `agent/*` metrics."""
     trajs = [Trajectory([dict(m) for m in msgs], list(ids)) for msgs, ids in zip(messages, prompt_ids)]
-    errors: Counter[str] = Counter()
-    calls = 0
-    tool_s = 0.0
+    run = _Run(llm, tokenizer, params, max_tokens_per_turn, cfg, trajs)
+    tools: dict[Future, tuple[int, list, float]] = {}
     with ThreadPoolExecutor(cfg.tool_workers, thread_name_prefix="tool") as pool, \
             ThreadPoolExecutor(cfg.tool_workers, thread_name_prefix="tool-call") as outer:
-        for _ in range(cfg.max_turns):
-            active = [i for i, t in enumerate(trajs) if not t.done]
-            if not active:
-                break
-            reqs, sps = [], []
-            for i in active:
-                t = trajs[i]
-                left = cfg.max_total_tokens - len(t.token_ids)
-                reqs.append({"prompt_token_ids": t.prompt_ids + t.token_ids})
-                sps.append(params(i, max(1, min(max_tokens_per_turn, left))))
-            outs = llm.generate(reqs, sps, use_tqdm=False)
-            pending: list[tuple[int, list]] = []
-            for i, out in zip(active, outs):
-                t, c = trajs[i], out.outputs[0]
-                t.turns += 1
-                toks = list(c.token_ids)
-                t.token_ids += toks
-                t.mask += [1] * len(toks)
-                t.sampled_logprobs += sampled_logprobs(c.logprobs, toks)
-                # vLLM cuts the stop string from the text (not from the tokens): put the tag back
-                text = c.text + CLOSE if c.stop_reason == CLOSE and not c.text.endswith(CLOSE) else c.text
-                t.text = text  # the reward scores the last model turn
-                t.messages.append({"role": "assistant", "content": text})
-                t.finish_reason = c.finish_reason or "length"
-                found = parse_tool_calls(text) if c.stop_reason == CLOSE else []
-                if not found or len(t.token_ids) >= cfg.max_total_tokens:
-                    t.done = True
-                    continue
-                pending.append((i, found))
-            t0 = time.perf_counter()
-            results = list(outer.map(lambda job: [run_call(call, cfg.tools, pool, cfg.tool_timeout_s)
-                                                  for call in job[1]], pending))
-            tool_s += time.perf_counter() - t0
-            for (i, found), res in zip(pending, results):
-                t = trajs[i]
-                calls += len(found)
-                errors.update(kind for _, kind in res if kind)
-                glue = _tool_turn_ids(tokenizer, t.messages, [text for text, _ in res])
-                room = cfg.max_total_tokens - len(t.token_ids)
-                if len(glue) >= room:  # no room left for the model to answer: stop before the tool output
-                    t.done, t.finish_reason = True, "length"
-                    continue
-                t.token_ids += glue
-                t.mask += [0] * len(glue)
-                t.sampled_logprobs += [0.0] * len(glue)
-                t.messages += [{"role": "tool", "content": text} for text, _ in res]
-        for t in trajs:
-            if not t.done:  # out of turns
-                t.finish_reason = "length"
+        for i in range(len(trajs)):
+            run.submit(i)
+        while run.engine.has_unfinished_requests() or tools:
+            if run.engine.has_unfinished_requests():
+                for out in run.engine.step():
+                    if not out.finished:
+                        continue
+                    i = int(out.request_id.split("-")[2])
+                    found = run.finished_turn(i, out.outputs[0])
+                    if found:
+                        job = outer.submit(lambda f=found: [run_call(c, cfg.tools, pool, cfg.tool_timeout_s) for c in f])
+                        tools[job] = (i, found, time.perf_counter())
+            else:
+                wait(list(tools), return_when=FIRST_COMPLETED)
+            for job in [f for f in tools if f.done()]:
+                i, found, t0 = tools.pop(job)
+                run.tool_s += time.perf_counter() - t0
+                if run.tool_results(i, found, job.result()):
+                    run.submit(i)
     n = max(len(trajs), 1)
-    metrics = {"agent/turns_mean": sum(t.turns for t in trajs) / n, "agent/tool_calls": float(calls),
-               "agent/tool_calls_per_trajectory": calls / n, "agent/tool_errors": float(sum(errors.values())),
-               "agent/tool_time_s": tool_s,
+    metrics = {"agent/turns_mean": sum(t.turns for t in trajs) / n, "agent/tool_calls": float(run.calls),
+               "agent/tool_calls_per_trajectory": run.calls / n,
+               "agent/tool_errors": float(sum(run.errors.values())), "agent/tool_time_s": run.tool_s,
                "agent/truncated": sum(t.finish_reason == "length" for t in trajs) / n}
-    metrics.update({f"agent/tool_errors/{k.replace(' ', '_')}": float(v) for k, v in errors.items()})
+    metrics.update({f"agent/tool_errors/{k.replace(' ', '_')}": float(v) for k, v in run.errors.items()})
     return trajs, metrics
 
 

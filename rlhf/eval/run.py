@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from rlhf.eval.code import passed as code_passed
+from rlhf.eval.code import with_token
 from rlhf.eval.scoring import mean_stderr, pass_at_k
 from rlhf.eval.tasks import Item, Task
 from workers.sandbox import SandboxLimits, run_many
@@ -76,10 +78,11 @@ def _scored(task: Task, responses: list[list[str]]) -> tuple[dict, list]:
 
 def _code(task: Task, responses: list[list[str]], opts: EvalOptions) -> tuple[dict, list]:
     assert task.program is not None
-    programs = [task.program(it, r) for it, rs in zip(task.items, responses) for r in rs]
-    results = run_many(programs, opts.sandbox, workers=opts.sandbox_workers)
+    guarded = [with_token(task.program(it, r)) for it, rs in zip(task.items, responses) for r in rs]
+    results = run_many([g[0] for g in guarded], opts.sandbox, workers=opts.sandbox_workers)
+    ok = [code_passed(r, token) for r, (_, token) in zip(results, guarded)]
     n = opts.n
-    passed = [[results[i * n + j].status == "ok" for j in range(n)] for i in range(len(task.items))]
+    passed = [ok[i * n:(i + 1) * n] for i in range(len(task.items))]
     metrics = {}
     for k in sorted({1, n}):
         vals = [pass_at_k(n, sum(p), k) for p in passed]

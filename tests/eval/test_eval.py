@@ -135,3 +135,17 @@ def test_item_kinds_from_files(tmp_path):
     assert task.score(task.items[0], "so it is $\\boxed{0.5}$") == 1.0
     assert task.score(task.items[0], "$\\boxed{3}$") == 0.0
     assert isinstance(Item("p", 1).choices, list)
+
+
+def test_unit_test_reward_runs_hidden_tests_in_the_sandbox():
+    from rlhf.eval.code import unit_test_pass_rate
+
+    tests = ["assert square(2) == 4", "assert square(-3) == 9", "assert square(0) == 0"]
+    good = "Here:\n```python\ndef square(x):\n    return x * x\n```"
+    half = "```python\ndef square(x):\n    return abs(x) * 2 if x else 0\n```"
+    cheat = "```python\nimport os\nos._exit(0)\n```"
+    escape = "```python\nimport sys\nsys.stdout.write('ok\\n')\ndef square(x):\n    while True: pass\n```"
+    assert unit_test_pass_rate(None, good, tests) == 1.0
+    assert unit_test_pass_rate(None, half, json.dumps(tests)) == pytest.approx(2 / 3)
+    assert unit_test_pass_rate(None, cheat, tests) == 0.0  # exiting before the tests is not passing them
+    assert unit_test_pass_rate(None, escape, {"tests": tests[:1]}) == 0.0

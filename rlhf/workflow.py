@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from rlhf.config.schema import RoleConfig, RunConfig
 from rlhf.driver.rewards import resolve_reward_fn, score_batch
 from workers.batch import Batch
@@ -115,7 +117,9 @@ class RewardHandle:
         self.model_group = model_group
 
     def __call__(self, batch: Batch) -> Batch:
-        if self.model_group is not None:
+        if "env_reward" in batch:  # an environment scored the trajectories (rollout.env)
+            batch["scores"] = torch.tensor(batch["env_reward"], dtype=torch.float32)
+        elif self.model_group is not None:
             batch["scores"] = self.model_group.compute_scores(batch.select(["input_ids", "attention_mask"]))["scores"]
         else:
             gts = batch["ground_truth"] if "ground_truth" in batch else [None] * len(batch)
@@ -190,7 +194,8 @@ class Roles:
             group = RolloutGroup(engine, timeout_s=cfg.trainer.timeout_s, name="rollout", log_dir=run_dir / "logs")
             r = cfg.rollout
             agent = {"tools": list(r.tools), "max_turns": r.max_turns, "max_total_tokens": r.max_total_tokens,
-                     "tool_timeout_s": r.tool_timeout_s} if r.tools else None
+                     "tool_timeout_s": r.tool_timeout_s, "env": r.env, "env_reward": r.env_reward} \
+                if r.tools or r.env else None
             handles["rollout"] = RolloutHandle(group, SamplingConfig.from_config(cfg.rollout),
                                                SyncConfig.from_config(cfg.rollout, timeout_s=cfg.trainer.timeout_s),
                                                agent)

@@ -210,10 +210,17 @@ def validate_config(cfg: RunConfig) -> None:
 def _check_tools(cfg: RunConfig) -> None:
     """rollout.tools load (a user's module:function is imported here, before any worker starts)."""
     r = cfg.rollout
-    if not r.tools:
+    if not r.tools and not r.env:
         return
+    from workers.agent.env import AGGREGATIONS, load_env
     from workers.agent.tools import load_tools
 
+    _choice(r.env_reward, "rollout.env_reward", tuple(AGGREGATIONS))
+    if r.env:
+        try:
+            load_env(r.env)
+        except (ValueError, ImportError) as e:
+            raise ConfigError(f"rollout.env: {e}") from None
     _require(r.max_turns >= 1, "rollout.max_turns", "an integer >= 1", r.max_turns)
     _require(r.tool_timeout_s > 0, "rollout.tool_timeout_s", "seconds > 0", r.tool_timeout_s)
     if r.max_total_tokens < r.max_tokens:

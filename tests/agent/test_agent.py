@@ -156,3 +156,45 @@ def test_generate_agent_on_the_engine(engine):
                                           tools=["calculator"], max_turns=2, max_total_tokens=32)
     assert out["responses"].shape[0] == 4 and out["response_mask"].sum() > 0
     assert {"agent/turns_mean", "agent/tool_calls", "agent/truncated"} <= set(out.info)
+
+
+class _Flaky:
+    """An environment that answers once, then fails."""
+
+    def reset(self, messages, ground_truth):
+        self.calls = 0
+
+    def step(self, action):
+        self.calls += 1
+        if self.calls > 1:
+            raise RuntimeError("environment broke")
+        return "try again", 0.5, False
+
+
+def test_environment_turns_are_masked_and_rewarded(engine):
+    from workers.agent.env import GuessNumber
+    from workers.batch import Batch
+    from workers.rollout.prompts import normalise
+    from workers.rollout.sampling import SamplingConfig
+
+    group, tok = engine
+    llm = group.engines[0].llm
+    messages = [[{"role": "user", "content": "Guess my number."}]] * 3
+    prompts = normalise(Batch(meta={"messages": messages}), tok)
+    base = SamplingConfig(n=1, temperature=1.0, max_tokens=6, seed=0, stop=[CLOSE])
+
+    def params(i, max_tokens):
+        return base.with_(max_tokens=max_tokens, seed=i).to_vllm()
+
+    cfg = AgentConfig({}, max_turns=3, max_total_tokens=200, env=GuessNumber)
+    trajs, metrics = run_agent(llm, tok, messages, prompts.ids, params, 6, cfg, ["1234567"] * 3)
+    for t in trajs:  # the random model never guesses 1234567: three turns, two observations in between
+        assert t.turns == 3 and t.rewards == [0.0, 0.0, 0.0] and t.done
+        observations = [m for m in t.messages if m["role"] == "user"][1:]
+        assert len(observations) == 2 and all(m["content"] in ("higher", "lower", "Answer with a number.")
+                                              for m in observations)
+        assert t.mask.count(0) > 0 and tok.decode([x for x, m in zip(t.token_ids, t.mask) if not m]).count("user") == 2
+    assert metrics["agent/env_reward_mean"] == 0.0 and metrics["agent/env_errors"] == 0
+    trajs, metrics = run_agent(llm, tok, messages, prompts.ids, params, 6,
+                               AgentConfig({}, max_turns=3, max_total_tokens=200, env=_Flaky, env_reward="last"))
+    assert metrics["agent/env_errors"] == 3 and all(t.rewards == [0.5] and t.turns == 2 for t in trajs)

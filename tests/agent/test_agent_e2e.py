@@ -13,12 +13,13 @@ def _train(*args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "rlhf", "train", "configs/grpo_tiny.yaml", "model.warm_start_steps=5",
            "data.val_size=8", "data.prompts_per_step=4", "rollout.n=4", "policy.micro_batch_size=8",
            "trainer.progress_bar=false", "rollout.tools=[calculator,python]", "rollout.max_turns=2",
+           "rollout.env=workers.agent.env:GuessNumber",
            "rollout.max_total_tokens=48", "trainer.save_every=2", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=900,
                           env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1"))
 
 
-def test_grpo_with_tools_two_steps_and_resume(tmp_path):
+def test_grpo_with_tools_and_an_environment_two_steps_and_resume(tmp_path):
     run = tmp_path / "tools"
     r = _train("trainer.total_steps=2", f"trainer.output_dir={run}")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
@@ -30,6 +31,7 @@ def test_grpo_with_tools_two_steps_and_resume(tmp_path):
     assert [row["step"] for row in steps][-1] == 3
     for row in steps:
         assert row["agent/turns_mean"] >= 1 and "agent/tool_calls" in row and "agent/truncated" in row
+        assert row["reward_mean"] == row["agent/env_reward_mean"]  # the environment scored the trajectories
         assert "policy_loss" in row and "grad_norm" in row
 
 

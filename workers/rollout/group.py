@@ -153,7 +153,8 @@ class RolloutGroup:
         sp = _sampling(sampling)
         batch = as_batch(prompts)
         method, extra = ("generate_agent", (agent["tools"], agent["max_turns"], agent["max_total_tokens"],
-                                            agent["tool_timeout_s"])) if agent else ("generate", ())
+                                            agent["tool_timeout_s"], agent.get("env"),
+                                            agent.get("env_reward", "sum"))) if agent else ("generate", ())
         if self.num_engines == 1:
             return self._wait([self._submit(0, method, batch, sp, *extra)], [0], method)[0]
         n = len(batch)

@@ -121,10 +121,12 @@ class RolloutWorker:
 
     def generate_agent(self, prompts: Batch | Sequence[Any], sampling: SamplingConfig | dict | None = None,
                        tools: Sequence[str] = (), max_turns: int = 4, max_total_tokens: int = 256,
-                       tool_timeout_s: float = 10.0) -> Batch:
-        """Multi-turn rollouts with tool calls (workers/agent/loop.py): the same Batch as `generate`, with
-        `response_mask` 0 on tool outputs and template glue, plus info `agent/*` metrics. Prompts must be chat
-        messages (meta `messages`, or `prompt` as message lists); `sampling.max_tokens` caps each turn."""
+                       tool_timeout_s: float = 10.0, env: str | None = None, env_reward: str = "sum") -> Batch:
+        """Multi-turn rollouts with tool calls and/or an environment (workers/agent/): the same Batch as
+        `generate`, with `response_mask` 0 on tool outputs, observations and template glue, plus info `agent/*`
+        metrics and, with an environment, meta `env_reward` (the trajectory's aggregated reward). Prompts must
+        be chat messages (meta `messages`, or `prompt` as message lists); `sampling.max_tokens` caps each turn."""
+        from workers.agent.env import AGGREGATIONS, load_env
         from workers.agent.loop import AgentConfig, run_agent
         from workers.agent.toolcalls import CLOSE
         from workers.agent.tools import load_tools
@@ -143,12 +145,16 @@ class RolloutWorker:
             return one.with_(max_tokens=max_tokens).to_vllm(seed=None if sp.seed is None else sp.seed + i)
 
         cfg = AgentConfig(load_tools(list(tools)), max_turns=max_turns, max_total_tokens=max_total_tokens,
-                          tool_timeout_s=tool_timeout_s)
+                          tool_timeout_s=tool_timeout_s, env=load_env(env) if env else None, env_reward=env_reward)
+        gts = batch.meta.get("ground_truth") or [None] * len(batch)
         t0 = time.perf_counter()
         trajs, metrics = run_agent(self.llm, self.tokenizer, [chats[i // sp.n] for i in range(rows)],
-                                   [p.ids[i // sp.n] for i in range(rows)], params, sp.max_tokens, cfg)
+                                   [p.ids[i // sp.n] for i in range(rows)], params, sp.max_tokens, cfg,
+                                   [gts[i // sp.n] for i in range(rows)])
         comps = [trajs[i * sp.n:(i + 1) * sp.n] for i in range(len(p.ids))]
         out = build_output(p, comps, sp.n, self.pad_id, tokenizer=None)
+        if env:
+            out.meta["env_reward"] = [AGGREGATIONS[env_reward](t.rewards) for t in trajs]
         out.info.update({**metrics, "rollout/total_s": time.perf_counter() - t0,
                          "rollout/response_tokens": int(out.tensors["response_mask"].sum())})
         return out

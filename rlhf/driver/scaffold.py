@@ -47,6 +47,9 @@ class RunScaffold:
         self.out.mkdir(parents=True, exist_ok=True)
         save_config(self.cfg, self.out / "config.yaml")
         self._tracking = wandb_args(self.cfg)  # raises here, before Ray, if trainer.wandb is set without wandb
+        latest = self.resume_point()
+        if latest is not None:  # refused here, before Ray, unless its files match their manifests
+            self.ckpt.check_trusted(latest, self.cfg.trainer.trust_checkpoint)
         self._own_ray = init_ray(self.cfg.trainer)
         return self
 

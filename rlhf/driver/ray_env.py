@@ -6,7 +6,7 @@ An embedded instance:
   what `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` does; it is set for the driver and the processes Ray starts,
   and the node address is checked after start (a non-loopback one stops the run);
 - keeps its session folder (logs, sockets) under `<output_dir>/ray`, or, when that path is too long for a
-  unix socket, in a short `/tmp/rlhf-ray-<pid>-*` folder removed at exit (and by the next start when the
+  unix socket, in a short `/tmp/rlhf-eray-<pid>-*` folder removed at exit (and by the next start when the
   driver was killed);
 - has its token file (`~/.ray/auth_token`, or RAY_AUTH_TOKEN_PATH) readable by its owner only.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 from rlhf.config.schema import TrainerConfig
 
 CLUSTER_MODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray keeps a loopback node address
-SCRATCH_PREFIX = "rlhf-ray-"
+SCRATCH_PREFIX = "rlhf-eray-"
 # A unix socket path holds at most 107 bytes; Ray puts its sockets at
 # <temp dir>/session_<date>_<time>_<usec>_<pid>/sockets/<name>, up to about 70 bytes after the temp dir.
 SOCKET_PATH_MAX = 107
@@ -55,7 +55,6 @@ def ray_temp_dir(output_dir: str | Path) -> tuple[Path, bool]:
     if len(str(run_local)) + SESSION_SUFFIX_MAX <= SOCKET_PATH_MAX:
         run_local.mkdir(parents=True, exist_ok=True)
         return run_local, False
-    remove_stale_scratch_dirs()
     return Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-", dir="/tmp")), True
 
 
@@ -133,7 +132,8 @@ def init_ray(trainer: TrainerConfig) -> EmbeddedRay | None:
         return None
     from workers.rollout.cpu.shm_file import remove_stale_files
 
-    remove_stale_files()  # weight-sync files of drivers that were killed
+    remove_stale_files()  # what drivers that were killed left: weight-sync files, scratch Ray temp dirs
+    remove_stale_scratch_dirs()
     num_cpus = trainer.ray_num_cpus or max(4, os.cpu_count() or 1)
     temp_dir, scratch = ray_temp_dir(trainer.output_dir)
     ensure_private_token()

@@ -80,7 +80,7 @@ def test_embedded_ray_listens_on_loopback_only(where, tmp_path):
             assert res["temp_dir"] == str(out / "ray") and res["scratch_left"]
             assert list((out / "ray").glob("session_*/logs")), "Ray's session folder is not under the run dir"
         else:  # the run dir is too long for Ray's unix sockets: a scratch dir in /tmp, removed at exit
-            assert res["temp_dir"].startswith("/tmp/rlhf-ray-") and not res["scratch_left"]
+            assert res["temp_dir"].startswith("/tmp/rlhf-eray-") and not res["scratch_left"]
     finally:
         import shutil
 

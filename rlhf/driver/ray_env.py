@@ -144,7 +144,7 @@ def init_ray(trainer: TrainerConfig) -> EmbeddedRay | None:
         ctx = ray.init(num_cpus=num_cpus, include_dashboard=trainer.dashboard, dashboard_host="127.0.0.1",
                        _node_ip_address="127.0.0.1", _temp_dir=str(temp_dir), runtime_env=env,
                        log_to_driver=True, configure_logging=False)
-        node_ip = ctx.address_info.get("node_ip_address", "")
+        node_ip = ray.util.get_node_ip_address()
         if not str(node_ip).startswith("127."):
             raise RuntimeError(f"the embedded Ray took the node address {node_ip}, not 127.0.0.1; refusing to "
                                f"run with Ray listening beyond loopback")
@@ -152,5 +152,5 @@ def init_ray(trainer: TrainerConfig) -> EmbeddedRay | None:
         own.stop()
         raise
     if trainer.dashboard:
-        print(dashboard_hint(ctx.dashboard_url, temp_dir, trainer.output_dir), flush=True)
+        print(dashboard_hint(ctx.dashboard_url or "", temp_dir, trainer.output_dir), flush=True)
     return own

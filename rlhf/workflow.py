@@ -91,8 +91,9 @@ class PolicyHandle:
     def save(self, path: Path) -> None:
         self.group.save_checkpoint(str(path))
 
-    def load(self, path: Path, load_optim: bool = True) -> None:
-        self.group.load_checkpoint(str(path), load_optimizer=load_optim)
+    def load(self, path: Path, load_optim: bool = True, trust: bool = False) -> None:
+        """Load a `save` folder; one without a matching manifest only with `trust` (ckpt_manifest.py)."""
+        self.group.load_checkpoint(str(path), load_optimizer=load_optim, trust=trust)
 
     def export_hf(self, path: Path, tokenizer_dir: str | None = None) -> None:
         """Write the full weights as an HF folder (safetensors, config, tokenizer files)."""

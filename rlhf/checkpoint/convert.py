@@ -114,8 +114,10 @@ def finish_mcore_checkpoint(out: Path, hf_dir: str | Path, cfg, tp: int, pp: int
     write_meta(out, meta)
 
 
-def validate_mcore(mcore_dir: str | Path, tp: int, pp: int):
-    """Check a converted checkpoint folder can be exported at TP `tp`, PP `pp`; return its metadata."""
+def validate_mcore(mcore_dir: str | Path, tp: int, pp: int, trust: bool = False):
+    """Check a converted checkpoint folder can be exported at TP `tp`, PP `pp` and matches its manifest
+    (unless `trust`); return its metadata."""
+    from workers.megatron.ckpt_manifest import UntrustedCheckpointError, check_checkpoint
     from workers.megatron.mcore_checkpoint import HF_SUBDIR, MODEL_SUBDIR, read_meta
     from workers.megatron.model_provider import check_parallel_fit
 
@@ -128,6 +130,10 @@ def validate_mcore(mcore_dir: str | Path, tp: int, pp: int):
         raise UserError(str(e)) from e
     if not (folder / MODEL_SUBDIR / "metadata.json").is_file():
         raise UserError(f"{folder / MODEL_SUBDIR} is not a dist_checkpointing checkpoint (metadata.json missing)")
+    try:
+        check_checkpoint(folder / MODEL_SUBDIR, trust)
+    except UntrustedCheckpointError as e:
+        raise UserError(str(e)) from None
     cfg = _load_config(folder / HF_SUBDIR)
     try:
         check_parallel_fit(cfg, tp, pp)
@@ -145,8 +151,10 @@ def mcore_to_hf(
     tp: int = 1,
     pp: int = 1,
     timeout_s: float = 1800.0,
+    trust: bool = False,
 ) -> Path:
     """Export a converted megatron checkpoint to a HF folder (safetensors, config.json, tokenizer files).
+    A checkpoint without a matching manifest is refused unless `trust` (see ckpt_manifest.py).
 
     The checkpoint is loaded at TP `tp` / PP `pp` (any layout works: dist_checkpointing reshards); each
     pipeline stage streams its tensors into its own safetensors file (plus an index when pp > 1).
@@ -156,9 +164,9 @@ def mcore_to_hf(
     from workers.megatron.launch import run_distributed
     from workers.megatron.mcore_checkpoint import HF_SUBDIR
 
-    validate_mcore(mcore_dir, tp, pp)
+    validate_mcore(mcore_dir, tp, pp, trust)
     out = prepare_output_dir(out_dir, force)
-    results = run_distributed(mcore_to_hf_rank, tp * pp, args=(str(mcore_dir), str(out)), tp=tp, pp=pp,
+    results = run_distributed(mcore_to_hf_rank, tp * pp, args=(str(mcore_dir), str(out), trust), tp=tp, pp=pp,
                               timeout_s=timeout_s)
     files = {fname: names for r in results if r is not None for fname, names in [r]}
     if len(files) > 1:

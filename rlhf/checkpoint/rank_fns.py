@@ -22,7 +22,7 @@ def hf_to_mcore_rank(hf_dir: str, out_dir: str, dtype_name: str, padded_vocab: i
     save_model(model, out_dir)
 
 
-def mcore_to_hf_rank(ckpt_dir: str, out_dir: str) -> tuple[str, list[str]] | None:
+def mcore_to_hf_rank(ckpt_dir: str, out_dir: str, trust: bool = False) -> tuple[str, list[str]] | None:
     """Load the checkpoint at this world's TP/PP and stream this stage's HF tensors into one safetensors
     file (written by tp rank 0, dp rank 0 of each stage). Returns (file name, tensor names) on writers."""
     from megatron.core import parallel_state
@@ -38,7 +38,7 @@ def mcore_to_hf_rank(ckpt_dir: str, out_dir: str) -> tuple[str, list[str]] | Non
     model = build_gpt_model(
         cfg, dtype=meta.torch_dtype, padded_vocab=meta.padded_vocab_size, perform_initialization=False
     )
-    load_model(model, ckpt_dir)
+    load_model(model, ckpt_dir, trust=trust)
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     stage = parallel_state.get_pipeline_model_parallel_rank()
     fname = "model.safetensors" if pp == 1 else f"model-{stage + 1:05d}-of-{pp:05d}.safetensors"

@@ -25,6 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     m2h.add_argument("--tp", type=int, default=1, help="tensor parallel size to load the checkpoint at")
     m2h.add_argument("--pp", type=int, default=1, help="pipeline parallel size to load at (one file per stage)")
     m2h.add_argument("--force", action="store_true", help="overwrite a non-empty output folder")
+    m2h.add_argument("--trust-checkpoint", action="store_true",
+                     help="load a checkpoint without a matching rlhf manifest (its pickles can run code)")
     m2h.set_defaults(func=run_mcore_to_hf)
 
 
@@ -45,6 +47,6 @@ def run_mcore_to_hf(args: argparse.Namespace) -> int:
     from rlhf.checkpoint.convert import mcore_to_hf
 
     t0 = time.monotonic()
-    out = mcore_to_hf(args.mcore, args.out, force=args.force, tp=args.tp, pp=args.pp)
+    out = mcore_to_hf(args.mcore, args.out, force=args.force, tp=args.tp, pp=args.pp, trust=args.trust_checkpoint)
     print(f"wrote HF model to {out} in {time.monotonic() - t0:.1f}s")
     return 0

@@ -23,6 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="load a Megatron checkpoint that has no matching rlhf manifest (see README, Security)")
     p.add_argument("--output", default="results.json", help="results file (per task: metric, value, stderr, n)")
     p.add_argument("--compare", nargs="+", metavar="RESULTS", help="results files (or run folders holding "
                                                                    "results.json): a table and eval_compare.png")
@@ -60,7 +62,7 @@ def _evaluate(args: argparse.Namespace, tasks: list) -> dict[str, Any]:
     opts = EvalOptions(n=args.n, temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="rlhf-eval-") as tmp:
-        model = hf_folder(args.model, tmp)
+        model = hf_folder(args.model, tmp, args.trust_checkpoint)
         tokenizer = AutoTokenizer.from_pretrained(model)
         engine = RolloutGroup(EngineConfig(model_path=model, dtype=args.dtype, kv_cache_gb=0.5), in_process=True)
         try:

@@ -23,6 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="load a megatron checkpoint without a matching rlhf manifest (its pickles can run code)")
     p.set_defaults(func=run)
 
 
@@ -46,7 +48,7 @@ def _read_prompts(args: argparse.Namespace) -> list:
     return prompts
 
 
-def hf_folder(model: str, tmp: str) -> str:
+def hf_folder(model: str, tmp: str, trust: bool = False) -> str:
     from rlhf.errors import UserError
 
     path = Path(model)
@@ -55,7 +57,7 @@ def hf_folder(model: str, tmp: str) -> str:
     if path.is_dir():  # a converted megatron checkpoint: export it to HF first
         from rlhf.checkpoint.convert import mcore_to_hf
 
-        return str(mcore_to_hf(path, Path(tmp) / "hf"))
+        return str(mcore_to_hf(path, Path(tmp) / "hf", trust=trust))
     raise UserError(f"--model: {model} is neither an HF folder (config.json) nor a megatron checkpoint folder")
 
 
@@ -71,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UserError(str(e)) from None
     with tempfile.TemporaryDirectory(prefix="rlhf-generate-") as tmp:
-        model = hf_folder(args.model, tmp)
+        model = hf_folder(args.model, tmp, args.trust_checkpoint)
         engine = RolloutGroup(EngineConfig(model_path=model, dtype=args.dtype, kv_cache_gb=0.5), in_process=True)
         try:
             key = "prompt" if args.raw else "messages"

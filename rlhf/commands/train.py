@@ -11,6 +11,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=5")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint (trainer.resume=auto)")
     p.add_argument("--address", help="join this Ray cluster instead of starting a local one (or set RAY_ADDRESS)")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="load checkpoints without a matching rlhf manifest (trainer.trust_checkpoint=true)")
     p.set_defaults(func=run)
 
 
@@ -32,6 +34,8 @@ def run(args: argparse.Namespace) -> int:
         overrides.append("trainer.resume=auto")
     if args.address:
         overrides.append(f"trainer.ray_address={args.address}")
+    if args.trust_checkpoint:
+        overrides.append("trainer.trust_checkpoint=true")
     cfg = load_config(args.config, overrides)
     quiet_libraries()
     cfg = prepare_inputs(cfg)  # data and model files are checked (or generated) before any worker starts

@@ -210,6 +210,9 @@ class TrainerConfig:
     load: str | None = None
     no_load_optim: bool = False
     no_load_rng: bool = False
+    # Load (trainer.load, --resume) a checkpoint folder without a matching rlhf manifest (sha256 of every
+    # file, written at save): its pickles can run code, so only for checkpoints from a trusted source.
+    trust_checkpoint: bool = False
 
 
 @dataclass

@@ -3,7 +3,8 @@
 Layout under `<output_dir>/checkpoints/`:
   step-000004/            one finished checkpoint
     driver_state.json     step, data-loader position, KL controller, driver RNG, metric history keys
-    policy/ critic/ ...   each role's Megatron checkpoint (dist_checkpointing), written by its workers
+    policy/ critic/ ...   each role's Megatron checkpoint (dist_checkpointing), written by its workers,
+                          with the sha256 manifest that loading checks first (workers/megatron/ckpt_manifest.py)
   latest                  text file naming the newest finished checkpoint folder
 A crash while saving leaves a `tmp-*` folder that is ignored and removed on the next save.
 """
@@ -63,6 +64,21 @@ class CheckpointManager:
         pointer_tmp.write_text(name)
         os.replace(pointer_tmp, self.root / "latest")
         return final
+
+    @staticmethod
+    def check_trusted(path: Path, trust: bool) -> None:
+        """Before any worker loads the checkpoint `path` (a step folder or one role's folder): every role
+        folder in it matches its manifest, unless `trust` (UserError naming the file otherwise)."""
+        from rlhf.errors import UserError
+        from workers.megatron.ckpt_manifest import UntrustedCheckpointError, check_checkpoint
+
+        roles = [path] if (path / "metadata.json").is_file() else sorted(
+            p for p in path.iterdir() if p.is_dir() and (p / "metadata.json").is_file())
+        try:
+            for role in roles:
+                check_checkpoint(role, trust)
+        except UntrustedCheckpointError as e:
+            raise UserError(str(e)) from None
 
     @staticmethod
     def driver_state(path: Path) -> dict[str, Any]:

@@ -103,7 +103,8 @@ class LMRun:
         if latest is not None:
             state = CheckpointManager.driver_state(latest)
             _check_schedule(state.get("schedule"), self.cfg, latest)
-            self.group.load_checkpoint(str(latest / ROLE), load_optimizer=True, load_rng=True)
+            self.group.load_checkpoint(str(latest / ROLE), load_optimizer=True, load_rng=True,
+                                       trust=self.cfg.trainer.trust_checkpoint)
             self.data.order.load_state_dict(state["data"])
             set_rng_state(state["rng"])
             self.step = int(state["step"])
@@ -116,7 +117,8 @@ class LMRun:
                 step_dir = path.parent
                 if (step_dir / "driver_state.json").is_file():
                     _check_schedule(CheckpointManager.driver_state(step_dir).get("schedule"), self.cfg, step_dir)
-            self.group.load_checkpoint(str(path), load_optimizer=not t.no_load_optim, load_rng=not t.no_load_rng)
+            self.group.load_checkpoint(str(path), load_optimizer=not t.no_load_optim, load_rng=not t.no_load_rng,
+                                       trust=t.trust_checkpoint)
             print(f"loaded {path} (optimizer: {not t.no_load_optim}, rng: {not t.no_load_rng})", flush=True)
 
     def save(self) -> Path:
@@ -190,7 +192,7 @@ def run_lm(cfg: RunConfig) -> dict[str, float]:
     out.mkdir(parents=True, exist_ok=True)
     data = build_lm_data(cfg, global_batch_size(cfg), str(out))
     if cfg.trainer.load:
-        resolve_checkpoint(cfg.trainer.load)  # fail before the workers start
+        CheckpointManager.check_trusted(resolve_checkpoint(cfg.trainer.load), cfg.trainer.trust_checkpoint)
     with RunScaffold(cfg) as frame:
         group = frame.own(make_group(cfg, out))
         run = LMRun(cfg, data, group, frame)

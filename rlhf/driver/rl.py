@@ -79,9 +79,9 @@ def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
         resume_from = run.resume_point()
         if resume_from is not None:
             state = run.ckpt.driver_state(resume_from)
-            roles.policy.load(resume_from / "policy")
+            roles.policy.load(resume_from / "policy", trust=t.trust_checkpoint)
             if roles.critic is not None:
-                roles.critic.load(resume_from / "critic")
+                roles.critic.load(resume_from / "critic", trust=t.trust_checkpoint)
             loader.load_state_dict(state["loader"])
             kl_ctrl.load_state_dict(state["kl_ctrl"])
             set_rng_state(state["rng"])

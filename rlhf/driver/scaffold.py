@@ -20,7 +20,7 @@ from typing import Any, Protocol, TypeVar
 from rlhf.config import RunConfig, save_config
 from rlhf.driver.checkpoints import CheckpointManager
 from rlhf.driver.metrics import MetricsLogger, wandb_args
-from rlhf.driver.ray_env import init_ray
+from rlhf.driver.ray_env import EmbeddedRay, init_ray
 from rlhf.driver.report import write_report
 
 
@@ -41,12 +41,15 @@ class RunScaffold:
         self.logger: MetricsLogger | None = None
         self._parts: list[_Stoppable] = []
         self._tracking: dict[str, Any] | None = None
-        self._own_ray = False
+        self._own_ray: EmbeddedRay | None = None
 
     def __enter__(self) -> RunScaffold:
         self.out.mkdir(parents=True, exist_ok=True)
         save_config(self.cfg, self.out / "config.yaml")
         self._tracking = wandb_args(self.cfg)  # raises here, before Ray, if trainer.wandb is set without wandb
+        latest = self.resume_point()
+        if latest is not None:  # refused here, before Ray, unless its files match their manifests
+            self.ckpt.check_trusted(latest, self.cfg.trainer.trust_checkpoint)
         self._own_ray = init_ray(self.cfg.trainer)
         return self
 
@@ -79,9 +82,7 @@ class RunScaffold:
             for part in reversed(self._parts):
                 part.shutdown()
         finally:
-            if self._own_ray:
-                import ray
-
-                ray.shutdown()
+            if self._own_ray is not None:
+                self._own_ray.stop()
         if exc_type is None:
             print(write_report(self.out, title=f"{self.cfg.algorithm.name} {self.out.name}"), flush=True)

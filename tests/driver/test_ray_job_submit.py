@@ -1,4 +1,4 @@
-"""`ray job submit` against a local head this test starts (own temp dir and ports), stopped by PID."""
+"""`ray job submit` against a local head this test starts (own temp dir and ports, loopback only), stopped by PID."""
 
 from __future__ import annotations
 
@@ -30,6 +30,20 @@ def _pids_with(marker: str) -> list[int]:
                     out.append(int(d.name))
             except OSError:
                 pass
+    return out
+
+
+def _non_loopback_listeners(pids: list[int]) -> list[tuple]:
+    import psutil
+
+    out = []
+    for pid in pids:
+        try:
+            conns = psutil.Process(pid).net_connections(kind="inet")
+        except psutil.Error:
+            continue
+        out += [(pid, c.laddr) for c in conns if c.status == psutil.CONN_LISTEN
+                and not c.laddr.ip.removeprefix("::ffff:").startswith("127.") and c.laddr.ip != "::1"]
     return out
 
 
@@ -72,9 +86,11 @@ def test_ray_job_submit_runs_grpo(tmp_path):
          "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--temp-dir", str(temp_dir),
          "--num-cpus", "4", "--include-dashboard", "true", "--disable-usage-stats",
          *[x for kv in ports.items() for x in kv]],
-        capture_output=True, text=True, timeout=300)
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0"))
     try:
         assert start.returncode == 0, start.stderr[-3000:]
+        exposed = _non_loopback_listeners(_pids_with(str(temp_dir)))
+        assert not exposed, f"the head listens beyond loopback: {exposed}"
         run = tmp_path / "job_run"
         entry = (f"{sys.executable} -m rlhf train configs/grpo_tiny.yaml model.warm_start_steps=5 "
                  "data.val_size=8 data.prompts_per_step=4 rollout.n=4 policy.micro_batch_size=8 "

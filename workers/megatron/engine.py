@@ -28,6 +28,7 @@ import torch
 
 from workers.dtypes import as_dtype
 from workers.megatron import rope_positions
+from workers.megatron.ckpt_manifest import check_checkpoint, write_manifest
 from workers.megatron.cpu_compat import cuda_absent
 from workers.megatron.hf_weights import HFTensorSource
 from workers.megatron.masks import follow_mask
@@ -310,17 +311,23 @@ class MegatronEngine:
         with torch.no_grad():
             dist_checkpointing.save(state, str(path))
         torch.distributed.barrier()
+        if torch.distributed.get_rank() == 0:
+            write_manifest(path)  # last: what a later load checks before unpickling anything
+        torch.distributed.barrier()
 
-    def load_checkpoint(self, path: str | Path, load_optimizer: bool = True, load_rng: bool = True) -> dict[str, Any]:
+    def load_checkpoint(self, path: str | Path, load_optimizer: bool = True, load_rng: bool = True,
+                        trust: bool = False) -> dict[str, Any]:
         """Collective: load a checkpoint written by `save_checkpoint`, possibly at another layout.
 
         The model always loads (any TP/PP/DP). With `load_optimizer` (and a trainable engine): the
         optimizer state, scheduler and step count; the distributed optimizer's state loads at another DP
         (`dp_reshardable`), not at another TP/PP. Without it, the optimizer's main params are refreshed
         from the loaded weights (bf16 keeps fp32 copies). The RNG loads with `load_rng` at the same TP/PP
-        layout only (it is per model-parallel rank). Returns the saved metadata."""
+        layout only (it is per model-parallel rank). The folder must match its manifest (ckpt_manifest.py)
+        unless `trust`. Returns the saved metadata."""
         from megatron.core import dist_checkpointing
 
+        check_checkpoint(path, trust)  # before anything in the folder is unpickled
         path = str(path)
         common = dist_checkpointing.load_common_state_dict(path)
         meta = dict(common.get("meta", {}))

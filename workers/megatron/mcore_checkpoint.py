@@ -3,7 +3,8 @@
 Folder layout written by `rlhf convert hf-to-mcore`:
     rlhf_mcore.json   metadata (family, tp, pp, vocab and padded vocab, dtype, tied); written last
     hf/               the HF config.json, generation_config.json and tokenizer files
-    model/            dist_checkpointing checkpoint of `model.sharded_state_dict()` (loadable at any TP/PP)
+    model/            dist_checkpointing checkpoint of `model.sharded_state_dict()` (loadable at any TP/PP),
+                      with its sha256 manifest (ckpt_manifest.py), checked before loading
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import torch
 
 from workers.dtypes import as_dtype
+from workers.megatron.ckpt_manifest import check_checkpoint, write_manifest
 
 META_FILE = "rlhf_mcore.json"
 HF_SUBDIR = "hf"
@@ -82,15 +84,21 @@ def save_model(model: torch.nn.Module, ckpt_dir: str | Path) -> None:
         target.mkdir(parents=True, exist_ok=True)
     torch.distributed.barrier()
     dist_checkpointing.save(model.sharded_state_dict(), str(target))
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        write_manifest(target)  # last: what a later load checks before unpickling anything
+    torch.distributed.barrier()
 
 
-def load_model(model: torch.nn.Module, ckpt_dir: str | Path) -> None:
-    """Collective: load a converted checkpoint into `model` at the current TP/PP (resharding as needed)."""
+def load_model(model: torch.nn.Module, ckpt_dir: str | Path, trust: bool = False) -> None:
+    """Collective: load a converted checkpoint into `model` at the current TP/PP (resharding as needed).
+    `model/` must match its manifest (ckpt_manifest.py) unless `trust`."""
     from megatron.core import dist_checkpointing
 
     target = Path(ckpt_dir) / MODEL_SUBDIR
     if not (target / "metadata.json").is_file():
         raise ValueError(f"{target} is not a dist_checkpointing checkpoint (metadata.json missing)")
+    check_checkpoint(target, trust)  # before anything in the folder is unpickled
     with torch.no_grad():
         state = dist_checkpointing.load(model.sharded_state_dict(), str(target))
         model.load_state_dict(state, strict=True)

@@ -95,11 +95,13 @@ class MegatronWorker(Worker):
         return path
 
     @register(ONE_TO_ALL, collect="rank0")
-    def load_checkpoint(self, path: str, load_optimizer: bool = True, load_rng: bool = True) -> dict[str, Any]:
+    def load_checkpoint(self, path: str, load_optimizer: bool = True, load_rng: bool = True,
+                        trust: bool = False) -> dict[str, Any]:
         """Load a `save_checkpoint` directory through `MegatronEngine.load_checkpoint`: the model at any
         TP/PP/DP; the optimizer, scheduler and step count with `load_optimizer` (trainer.no_load_optim
-        turns it off); the RNG with `load_rng` (same TP/PP layout only). Returns the saved metadata."""
-        meta = self.engine.load_checkpoint(path, load_optimizer=load_optimizer, load_rng=load_rng)
+        turns it off); the RNG with `load_rng` (same TP/PP layout only); a folder without a matching
+        manifest only with `trust` (trainer.trust_checkpoint). Returns the saved metadata."""
+        meta = self.engine.load_checkpoint(path, load_optimizer=load_optimizer, load_rng=load_rng, trust=trust)
         self._log(f"loaded checkpoint {path} (saved at {meta.get('layout')}; "
                   f"optimizer={load_optimizer} rng={load_rng})")
         return meta

@@ -3,17 +3,21 @@
 Every transport publishes its small messages (bucket metas, CUDA IPC handles, "done" flags) in the store
 under per-sync keys; receivers block on them with the sync timeout. A channel may also carry a process
 group (gloo, NCCL) built over the same store, made by the transport that owns the channel.
+
+The store listens on loopback (on one node) or this node's address (several nodes), never on every
+interface, and its values are signed JSON (wire.py), never pickles.
 """
 
 from __future__ import annotations
 
 import datetime
-import pickle
 import socket
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from workers.rollout import wire
 
 # (prefix store, rank, size, timeout) -> a process group, or None for transports without one
 GroupFactory = Callable[[Any, int, int, datetime.timedelta], Any]
@@ -22,8 +26,9 @@ GroupFactory = Callable[[Any, int, int, datetime.timedelta], Any]
 class SyncEndpoint:
     """The control store, hosted in rollout engine 0's process for the life of the engine."""
 
-    def __init__(self, store: Any, host: str, port: int) -> None:
+    def __init__(self, store: Any, host: str, port: int, sock: socket.socket | None = None) -> None:
         self.store, self.host, self.port = store, host, port
+        self._sock = sock  # the listening socket the store serves on (kept open as long as the store)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -32,12 +37,14 @@ class SyncEndpoint:
     @classmethod
     def open(cls, host: str | None = None) -> SyncEndpoint:
         host = host or node_ip()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
+        # TCPStore binds every interface when it opens its own socket: give it one bound to `host`
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind((host, 0))
+        sock.listen(128)
+        port = sock.getsockname()[1]
         store = torch.distributed.TCPStore(host, port, None, True, timeout=datetime.timedelta(seconds=60),
-                                           wait_for_workers=False)
-        return cls(store, host, port)
+                                           wait_for_workers=False, master_listen_fd=sock.fileno())
+        return cls(store, host, port, sock)
 
 
 def node_ip() -> str:
@@ -68,8 +75,9 @@ class Channel:
     """
 
     def __init__(self, host: str, port: int, name: str, stage: int, rank: int, size: int, timeout_s: float,
-                 make_group: GroupFactory | None = None) -> None:
+                 make_group: GroupFactory | None = None, secret: str = "") -> None:
         self.stage, self.rank, self.size = stage, rank, size
+        self.secret = secret  # signs and checks every value this channel publishes or fetches (wire.py)
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.store = torch.distributed.TCPStore(host, port, None, False, timeout=self.timeout)
         self.prefix = f"chan{name}/stage{stage}"
@@ -89,10 +97,21 @@ class Channel:
         return self._pg
 
     def publish(self, key: str, obj: Any) -> None:
-        self.store.set(key, pickle.dumps(obj))
+        """Store `obj` (a type wire.py knows) under `key`, signed with the session secret."""
+        self.store.set(key, wire.encode(key, obj, self.secret))
 
     def fetch(self, key: str) -> Any:
-        return pickle.loads(self.store.get(key))
+        """Wait for `key` (up to the timeout), check its signature, decode it."""
+        return wire.decode(key, self.store.get(key), self.secret)
+
+    def set_flag(self, key: str) -> None:
+        self.publish(key, True)
+
+    def wait_flags(self, keys: list[str]) -> None:
+        """Wait until every flag in `keys` is set, and check that each was set by the run's own processes."""
+        self.store.wait(keys, self.timeout)
+        for key in keys:
+            self.fetch(key)
 
     def broadcast_async(self, tensor: torch.Tensor) -> Any:
         """Start broadcasting `tensor` from rank 0; returns the work (`.wait(timeout)`)."""

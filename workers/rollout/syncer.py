@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import time
 import uuid
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ class WeightSyncer:
         self.cfg = config or SyncConfig()
         self.num_syncs = 0
         self.channel = _new_channel()
+        self.secret = secrets.token_hex(32)  # signs this syncer's control messages (wire.py)
         infos = getattr(policy_group, "infos", None) or [{"rank": 0, "dp_rank": 0, "tp_rank": 0, "pp_rank": 0}]
         self.infos = infos
         pp = max(i["pp_rank"] for i in infos) + 1
@@ -81,7 +83,7 @@ class WeightSyncer:
         fields = dict(sync_id=next(_IDS), transport=type(self.transport), host=host, port=port,
                       num_receivers=self.rollout.num_engines, source_ranks=list(self.source_ranks),
                       channel=self.channel, bucket_bytes=int(self.cfg.bucket_mb * (1 << 20)),
-                      dtype=self.rollout.dtype, timeout_s=self.cfg.timeout_s)
+                      dtype=self.rollout.dtype, timeout_s=self.cfg.timeout_s, secret=self.secret)
         return SyncSession(**{**fields, **self.transport.session_fields(self), **overrides})
 
     def sync(self, verify: bool | None = None, **session_overrides: Any) -> dict[str, Any]:

@@ -59,6 +59,7 @@ class SyncSession:
     shm_path: str = ""  # shm: the shared file, reused by every sync of one syncer
     direct_load: bool = True  # shm: engines install recognised models module by module (engine_ops.load_direct)
     zero_copy: bool = False  # shm: engines compute straight from the file (engine_ops.share_weights)
+    secret: str = ""  # signs the control messages (wire.py); one per syncer, sent to the run's processes by Ray
 
     @property
     def num_stages(self) -> int:
@@ -120,7 +121,8 @@ class Transport:
         ch = self._channels.get(key)
         if ch is None:
             ch = self._channels[key] = Channel(session.host, session.port, session.channel, stage, rank,
-                                               1 + session.num_receivers, session.timeout_s, self.make_group)
+                                               1 + session.num_receivers, session.timeout_s, self.make_group,
+                                               session.secret)
         ch.set_timeout(session.timeout_s)
         return ch
 

@@ -32,8 +32,7 @@ from workers.rollout.buckets import BucketMeta, BucketPacker, BufferPool
 from workers.rollout.control import Channel
 from workers.rollout.cpu import engine_ops
 from workers.rollout.transport import SyncSession, Transport, sync_error
-
-END = "end"
+from workers.rollout.wire import END
 
 
 @dataclass
@@ -219,14 +218,14 @@ class CudaIpcTransport(BucketTransport):
     def received(self, ch: Channel, session: SyncSession, stage: int, index: int, rank: int) -> None:
         torch.cuda.current_stream().synchronize()
         key = session.key(stage, f"ack{index}/r{rank}")
-        ch.store.set(key, b"1")
+        ch.set_flag(key)
         self.remember(session, rank, key)
 
     @staticmethod
     def _wait_acks(out: Outbox, index: int) -> None:
         if index >= 0:
             keys = [out.key(f"ack{index}/r{r}") for r in range(1, 1 + out.session.num_receivers)]
-            out.ch.store.wait(keys, out.ch.timeout)
+            out.ch.wait_flags(keys)
 
 
 def _wait(out: Outbox) -> None:

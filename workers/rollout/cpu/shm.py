@@ -110,7 +110,7 @@ class ShmTransport(Transport):
             ch = self.channel(session, stage, rank=0)
             if rank == session.source_ranks[0]:
                 ch.publish(session.key(0, "shm/layout"), layout)
-            ch.store.set(session.key(0, f"shm/done/r{rank}"), b"1")
+            ch.set_flag(session.key(0, f"shm/done/r{rank}"))
             signal_s = time.perf_counter() - t
         except BaseException as exc:
             self.drop(session)
@@ -131,7 +131,7 @@ class ShmTransport(Transport):
         self.remember(session, rank, *done.values(), layout_key)  # deleted at the next sync, even after a failure
         try:
             ch = self.channel(session, 0, rank)
-            ch.store.wait(list(done.values()), ch.timeout)
+            ch.wait_flags(list(done.values()))
             layout: ShmLayout = ch.fetch(layout_key)
         except BaseException as exc:
             missing = self._missing(session, rank, done)

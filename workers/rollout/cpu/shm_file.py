@@ -161,7 +161,7 @@ def remove_stale_files(directory: str = SHM_DIR) -> list[str]:
             pid = int(os.path.basename(path)[len(PREFIX):].split("-")[0])
         except ValueError:
             continue
-        if pid != os.getpid() and not _alive(pid):
+        if pid != os.getpid() and not pid_alive(pid):
             try:
                 os.unlink(path)
                 removed.append(path)
@@ -170,7 +170,8 @@ def remove_stale_files(directory: str = SHM_DIR) -> list[str]:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (on this host)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

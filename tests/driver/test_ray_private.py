@@ -1,0 +1,116 @@
+"""The embedded Ray stays private: loopback-only sockets, a 0600 token, its temp dir under the run (or a
+scratch one removed at exit), the dashboard's token and metrics hints, and no stale weight-sync files."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Runs in its own process (a test session may already hold a Ray instance): start the run's Ray with the
+# dashboard, start a worker and an actor, list every listening socket of the processes Ray started.
+SCRIPT = """
+import json, os, sys, psutil, ray
+from rlhf.config.schema import TrainerConfig
+from rlhf.driver.ray_env import init_ray, token_path
+
+own = init_ray(TrainerConfig(output_dir=sys.argv[1], dashboard=True, ray_num_cpus=2))
+@ray.remote
+class A:
+    def pid(self):
+        return os.getpid()
+a = A.remote()
+ray.get(a.pid.remote(), timeout=120)
+listen = []
+for p in psutil.Process().children(recursive=True):
+    try:
+        listen += [[p.pid, p.name(), c.laddr.ip, c.laddr.port] for c in p.net_connections(kind="inet")
+                   if c.status == psutil.CONN_LISTEN]
+    except psutil.Error:
+        pass
+node_ip = ray.util.get_node_ip_address()
+temp_dir = str(own.temp_dir)
+own.stop()
+print("RESULT", json.dumps({"listen": listen, "node_ip": node_ip, "temp_dir": temp_dir,
+                            "token": str(token_path()), "scratch_left": os.path.exists(temp_dir)}))
+"""
+
+
+def _loopback(ip: str) -> bool:
+    ip = ip.removeprefix("::ffff:")
+    return ip.startswith("127.") or ip == "::1"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("where", ["run_dir", "long_run_dir"])
+def test_embedded_ray_listens_on_loopback_only(where, tmp_path):
+    home = Path(tempfile.mkdtemp(prefix="h", dir="/tmp"))  # a short path: Ray's sockets fit under it
+    stale_shm = Path("/dev/shm") / "rlhf-wsync-999999999-test.bin"  # left by a killed driver (no such pid)
+    try:
+        stale_shm.write_bytes(b"x")
+        out = home / "run" if where == "run_dir" else tmp_path / ("x" * 60) / "run"
+        env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(home), "RAY_AUTH_MODE": "token"}
+        env.pop("RAY_AUTH_TOKEN_PATH", None)
+        env.pop("RAY_ADDRESS", None)
+        proc = subprocess.run([sys.executable, "-c", SCRIPT, str(out)], env=env, capture_output=True, text=True,
+                              timeout=280)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        res = json.loads(proc.stdout.split("RESULT ", 1)[1])
+        assert res["node_ip"] == "127.0.0.1"
+        assert not stale_shm.exists(), "the start did not remove a dead driver's weight-sync file"
+        assert len(res["listen"]) >= 5, res["listen"]  # GCS, raylet, agents, dashboard, the actor's worker
+        names = " ".join(r[1] for r in res["listen"])
+        assert "gcs_server" in names and "raylet" in names
+        exposed = [r for r in res["listen"] if not _loopback(r[2])]
+        assert not exposed, f"listening beyond loopback: {exposed}"
+        token = Path(res["token"])
+        assert token == home / ".ray" / "auth_token"
+        assert stat.S_IMODE(token.stat().st_mode) == 0o600
+        assert "ray get-auth-token" in proc.stdout and str(token) in proc.stdout
+        assert "Prometheus" in proc.stdout and "report.png" in proc.stdout
+        if where == "run_dir":
+            assert res["temp_dir"] == str(out / "ray") and res["scratch_left"]
+            assert list((out / "ray").glob("session_*/logs")), "Ray's session folder is not under the run dir"
+        else:  # the run dir is too long for Ray's unix sockets: a scratch dir in /tmp, removed at exit
+            assert res["temp_dir"].startswith("/tmp/rlhf-eray-") and not res["scratch_left"]
+    finally:
+        import shutil
+
+        shutil.rmtree(home, ignore_errors=True)
+        stale_shm.unlink(missing_ok=True)
+
+
+def test_existing_token_made_private_and_stale_scratch_dirs_removed(tmp_path, monkeypatch):
+    from rlhf.driver import ray_env
+
+    token = tmp_path / "tok"
+    token.write_text("abc")
+    token.chmod(0o644)
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    assert ray_env.ensure_private_token() == token
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600 and token.read_text() == "abc"
+    token.unlink()
+    ray_env.ensure_private_token()
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600 and len(token.read_text()) == 64
+
+    dead = 999_999_999  # no such pid
+    stale = tmp_path / f"{ray_env.SCRATCH_PREFIX}{dead}-abc"
+    live = tmp_path / f"{ray_env.SCRATCH_PREFIX}{os.getpid()}-def"
+    stale.mkdir()
+    live.mkdir()
+    assert ray_env.remove_stale_scratch_dirs(str(tmp_path)) == [str(stale)]
+    assert live.exists()
+
+    long_dir, scratch = ray_env.ray_temp_dir(tmp_path / ("y" * 80))
+    try:
+        assert scratch and len(str(long_dir)) + ray_env.SESSION_SUFFIX_MAX <= ray_env.SOCKET_PATH_MAX
+    finally:
+        long_dir.rmdir()

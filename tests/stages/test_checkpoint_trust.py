@@ -1,0 +1,133 @@
+"""Checkpoints load only when they match the sha256 manifest written at save (or are trusted explicitly):
+a planted pickle is refused by the commands before any worker starts, and by the loader itself, without
+ever being unpickled (the marker file it would create does not appear)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+
+from rlhf.cli import main as cli
+from rlhf.config import load_config
+from rlhf.errors import UserError
+from tests.stages.conftest import lm_overrides
+from workers.megatron.ckpt_manifest import (
+    MANIFEST_FILE,
+    UntrustedCheckpointError,
+    verify_manifest,
+    write_manifest,
+)
+
+
+class _Plant:
+    """Unpickling this creates the marker file (what a hostile `.metadata` could do with any code)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _plant(folder: Path, marker: Path) -> None:
+    (folder / ".metadata").write_bytes(pickle.dumps(_Plant(marker)))
+
+
+def test_manifest_detects_changed_extra_and_missing_files(tmp_path):
+    d = tmp_path / "ckpt"
+    (d / "sub").mkdir(parents=True)
+    (d / "a.bin").write_bytes(b"a" * 100)
+    (d / "sub" / "b.bin").write_bytes(b"b")
+    with pytest.raises(UntrustedCheckpointError, match=f"has no {MANIFEST_FILE}.*--trust-checkpoint"):
+        verify_manifest(d)
+    write_manifest(d)
+    verify_manifest(d)
+    assert json.loads((d / MANIFEST_FILE).read_text())["format"] == "rlhf-checkpoint-manifest-v1"
+    (d / "a.bin").write_bytes(b"a" * 99 + b"x")
+    with pytest.raises(UntrustedCheckpointError, match=r"a.bin does not match its sha256"):
+        verify_manifest(d)
+    write_manifest(d)
+    (d / "sub" / "c.pt").write_bytes(b"c")
+    with pytest.raises(UntrustedCheckpointError, match=r"sub/c.pt is not in its manifest"):
+        verify_manifest(d)
+    (d / "sub" / "c.pt").unlink()
+    (d / "sub" / "b.bin").unlink()
+    with pytest.raises(UntrustedCheckpointError, match=r"sub/b.bin is missing"):
+        verify_manifest(d)
+    (d / MANIFEST_FILE).write_text("{not json")
+    with pytest.raises(UntrustedCheckpointError, match="malformed"):
+        verify_manifest(d)
+
+
+@pytest.mark.timeout(900)
+def test_converted_checkpoint_trust(tiny_model_factory, tmp_path, capsys):
+    from rlhf.checkpoint.rank_fns import mcore_to_hf_rank
+    from workers.megatron.launch import run_distributed
+
+    marker = tmp_path / "PWNED"
+    ckpt = tmp_path / "mcore"
+    assert cli(["convert", "hf-to-mcore", "--hf", tiny_model_factory("tiny-qwen2"), "--out", str(ckpt)]) == 0
+    model = ckpt / "model"
+    assert (model / MANIFEST_FILE).is_file()
+    assert cli(["convert", "mcore-to-hf", "--mcore", str(ckpt), "--out", str(tmp_path / "hf1")]) == 0  # ours loads
+    good_index = (model / ".metadata").read_bytes()
+
+    _plant(model, marker)  # a hostile index in a checkpoint that has our manifest
+    capsys.readouterr()
+    assert cli(["convert", "mcore-to-hf", "--mcore", str(ckpt), "--out", str(tmp_path / "hf2")]) == 2
+    err = capsys.readouterr().err
+    assert ".metadata does not match its sha256" in err and "can run code" in err and "Traceback" not in err, err
+    assert cli(["generate", "--model", str(ckpt), "--prompt", "hi"]) == 2  # same check, before any engine
+    assert ".metadata does not match" in capsys.readouterr().err
+    with pytest.raises(Exception, match=r"\.metadata does not match"):  # the loader refuses on its own too
+        run_distributed(mcore_to_hf_rank, 1, args=(str(ckpt), str(tmp_path / "hf3"), False), timeout_s=300)
+    (model / MANIFEST_FILE).unlink()  # a foreign checkpoint: no manifest at all
+    assert cli(["convert", "mcore-to-hf", "--mcore", str(ckpt), "--out", str(tmp_path / "hf4")]) == 2
+    assert f"has no {MANIFEST_FILE}" in capsys.readouterr().err
+    assert not marker.exists(), "the planted pickle was unpickled"
+
+    (model / ".metadata").write_bytes(good_index)  # a genuine checkpoint without manifest, trusted by the user
+    assert cli(["convert", "mcore-to-hf", "--mcore", str(ckpt), "--out", str(tmp_path / "hf5"),
+                "--trust-checkpoint"]) == 0
+    assert (tmp_path / "hf5" / "model.safetensors").read_bytes() == (tmp_path / "hf1" / "model.safetensors").read_bytes()
+
+
+def _fake_run(root: Path, marker: Path, with_manifest: bool) -> Path:
+    """A run dir whose latest checkpoint's policy folder carries a planted `.metadata`."""
+    step = root / "checkpoints" / "step-000002"
+    role = step / "policy"
+    role.mkdir(parents=True)
+    (role / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    (role / "common.pt").write_bytes(b"x")
+    (step / "driver_state.json").write_text(json.dumps({"step": 2}))
+    if with_manifest:
+        write_manifest(role)
+    _plant(role, marker)
+    (step.parent / "latest").write_text(step.name)
+    return role
+
+
+@pytest.mark.parametrize("how", ["load", "resume"])
+def test_training_refuses_untrusted_checkpoint_before_workers(lm_inputs, tmp_path, how):
+    import ray
+
+    from rlhf.driver.lm import run_lm
+
+    marker = tmp_path / "PWNED"
+    run_dir = tmp_path / "run"
+    if how == "load":
+        role = _fake_run(tmp_path / "other", marker, with_manifest=False)
+        extra, match = (f"trainer.load={role.parent.parent.parent}",), f"{role} has no {MANIFEST_FILE}"
+    else:
+        role = _fake_run(run_dir, marker, with_manifest=True)
+        extra, match = ("trainer.resume=auto",), r"policy: \.metadata is not in its manifest"
+    cfg = load_config(None, lm_overrides(lm_inputs, "sft", run_dir, *extra))
+    with pytest.raises(UserError, match=match):
+        run_lm(cfg)
+    assert not ray.is_initialized(), "the refusal must come before Ray starts"
+    assert not marker.exists()
+    shutil.rmtree(tmp_path / "other", ignore_errors=True)

@@ -53,6 +53,12 @@ def _model(cfg: RunConfig, out: Path) -> None:
     if m.path:
         if not (Path(m.path) / "config.json").is_file():
             raise ConfigError(f"model.path: {m.path} is not an HF model folder (no config.json)")
+        from workers.megatron.hf_weights import HFTensorSource
+
+        try:  # every safetensors header is read: a truncated file is a FileProblem now, not in a worker
+            HFTensorSource(m.path).close()
+        except ValueError as e:
+            raise ConfigError(f"model.path: {e}") from None
         return
     from rlhf.tiny_models import create_tiny_model
 

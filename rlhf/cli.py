@@ -1,8 +1,10 @@
 """The `rlhf` command line: one subcommand per module in `rlhf/commands/`.
 
 Each command module defines `register(subparsers)` which adds its parser and sets `func(args) -> int`.
-Bad input (`UserError`) and a failure of any role's workers (`WorkerGroupError`) end with one line on stderr
-and exit code 2; anything else is a bug and keeps its traceback.
+Bad input (`UserError`), a failure of any role's workers (`WorkerGroupError`) and a file problem the user
+can fix (`FileProblem`: a full disk, a read-only folder, a truncated file, named by our readers and writers;
+or an OSError of those kinds that names its file) end with one line on stderr and exit code 2; anything else
+is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import importlib
 import sys
 
 from rlhf.errors import UserError
+from workers.files import FileProblem, os_cause, output_name
 
 # Command modules, imported lazily so `rlhf --help` stays fast. Add new commands here.
 COMMAND_MODULES = [
@@ -47,8 +50,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except UserError as e:
+    except (UserError, FileProblem) as e:
         print(f"rlhf {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        cause = os_cause(e)
+        if cause is None or not e.filename:
+            raise
+        print(f"rlhf {args.command}: error: {output_name(e.filename)}: {cause}", file=sys.stderr)
         return 2
     except Exception as e:
         if not is_worker_failure(e):

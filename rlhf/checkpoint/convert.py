@@ -11,7 +11,8 @@ import shutil
 from pathlib import Path
 
 from rlhf.errors import UserError
-from rlhf.paths import prepare_output_dir
+from rlhf.paths import staged_output_dir
+from workers.files import file_errors
 
 # Files of a HF model folder that are not weights (copied alongside converted weights).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
@@ -91,12 +92,12 @@ def hf_to_mcore(
     from workers.megatron.model_provider import DEFAULT_VOCAB_DIVISOR, padded_vocab_size
 
     cfg, dtype = validate_hf(hf_dir, tp, pp, dtype)
-    out = prepare_output_dir(out_dir, force)
     padded = padded_vocab_size(cfg.vocab_size, tp, DEFAULT_VOCAB_DIVISOR)
-    run_distributed(hf_to_mcore_rank, tp * pp, args=(str(hf_dir), str(out), dtype, padded), tp=tp, pp=pp,
-                    timeout_s=timeout_s)
-    finish_mcore_checkpoint(out, hf_dir, cfg, tp, pp, dtype, padded)
-    return out
+    with staged_output_dir(out_dir, force) as tmp:  # renamed to out_dir when complete, removed on failure
+        run_distributed(hf_to_mcore_rank, tp * pp, args=(str(hf_dir), str(tmp), dtype, padded), tp=tp, pp=pp,
+                        timeout_s=timeout_s)
+        finish_mcore_checkpoint(tmp, hf_dir, cfg, tp, pp, dtype, padded)
+    return Path(out_dir)
 
 
 def finish_mcore_checkpoint(out: Path, hf_dir: str | Path, cfg, tp: int, pp: int, dtype: str, padded: int) -> None:
@@ -105,13 +106,14 @@ def finish_mcore_checkpoint(out: Path, hf_dir: str | Path, cfg, tp: int, pp: int
     from workers.megatron.mcore_checkpoint import HF_SUBDIR, CheckpointMeta, write_meta
     from workers.megatron.model_provider import DEFAULT_VOCAB_DIVISOR
 
-    (out / HF_SUBDIR).mkdir(exist_ok=True)
-    _copy_non_weight_files(Path(hf_dir), out / HF_SUBDIR)
     meta = CheckpointMeta(
         family=cfg.model_type, tp=tp, pp=pp, vocab_size=cfg.vocab_size, padded_vocab_size=padded,
         vocab_divisible_by=DEFAULT_VOCAB_DIVISOR, dtype=dtype, tied=bool(cfg.tie_word_embeddings),
     )
-    write_meta(out, meta)
+    with file_errors(out, "write"):
+        (out / HF_SUBDIR).mkdir(exist_ok=True)
+        _copy_non_weight_files(Path(hf_dir), out / HF_SUBDIR)
+        write_meta(out, meta)
 
 
 def validate_mcore(mcore_dir: str | Path, tp: int, pp: int, trust: bool = False):
@@ -165,11 +167,12 @@ def mcore_to_hf(
     from workers.megatron.mcore_checkpoint import HF_SUBDIR
 
     validate_mcore(mcore_dir, tp, pp, trust)
-    out = prepare_output_dir(out_dir, force)
-    results = run_distributed(mcore_to_hf_rank, tp * pp, args=(str(mcore_dir), str(out), trust), tp=tp, pp=pp,
-                              timeout_s=timeout_s)
-    files = {fname: names for r in results if r is not None for fname, names in [r]}
-    if len(files) > 1:
-        write_hf_index(out, files)
-    _copy_non_weight_files(Path(mcore_dir) / HF_SUBDIR, out)
-    return out
+    with staged_output_dir(out_dir, force) as tmp:  # renamed to out_dir when complete, removed on failure
+        results = run_distributed(mcore_to_hf_rank, tp * pp, args=(str(mcore_dir), str(tmp), trust), tp=tp, pp=pp,
+                                  timeout_s=timeout_s)
+        files = {fname: names for r in results if r is not None for fname, names in [r]}
+        with file_errors(tmp, "write"):
+            if len(files) > 1:
+                write_hf_index(tmp, files)
+            _copy_non_weight_files(Path(mcore_dir) / HF_SUBDIR, tmp)
+    return Path(out_dir)

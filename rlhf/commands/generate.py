@@ -53,6 +53,12 @@ def hf_folder(model: str, tmp: str, trust: bool = False) -> str:
 
     path = Path(model)
     if (path / "config.json").is_file():
+        from workers.megatron.hf_weights import HFTensorSource
+
+        try:  # every safetensors header is read (a truncated file is a FileProblem) before the engine starts
+            HFTensorSource(path).close()
+        except ValueError as e:
+            raise UserError(f"--model: {e}") from None
         return str(path)
     if path.is_dir():  # a converted megatron checkpoint: export it to HF first
         from rlhf.checkpoint.convert import mcore_to_hf
@@ -67,6 +73,10 @@ def run(args: argparse.Namespace) -> int:
     from workers.rollout import EngineConfig, RolloutGroup, SamplingConfig
 
     prompts = _read_prompts(args)
+    if args.output:
+        from rlhf.paths import check_writable
+
+        check_writable(args.output)  # a read-only or missing folder fails now, not after generating
     try:
         sampling = SamplingConfig(n=args.n, temperature=args.temperature, top_p=args.top_p,
                                   max_tokens=args.max_tokens, seed=args.seed).validate()
@@ -85,7 +95,9 @@ def run(args: argparse.Namespace) -> int:
         texts = out["response_text"][i * args.n: (i + 1) * args.n]
         rows.append({"prompt": out["prompt"][i * args.n], "responses": texts})
     if args.output:
-        with open(args.output, "w") as f:
+        from rlhf.paths import staged_output_file
+
+        with staged_output_file(args.output) as tmp, open(tmp, "w") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
         print(f"wrote {len(rows)} rows to {args.output}")

@@ -110,6 +110,9 @@ class DataConfig:
     prompt_key: str = "prompt"  # raw text prompt, or
     messages_key: str | None = None  # chat messages (the chat template is applied)
     answer_key: str = "answer"  # ground truth given to the reward
+    # prompts with more tokens (after the chat template) than the model's max_position_embeddings minus
+    # rollout.max_tokens: "drop" them with a count when the data loads, or "fail" naming file:line
+    overlong_prompts: str = "drop"
     prompts_per_step: int = 16
     seed: int = 0
     # SFT / pretraining

@@ -19,6 +19,7 @@ from rlhf.errors import ConfigError
 
 ALGORITHMS = ("grpo", "ppo", "sft", "pretrain")
 DTYPES = ("float32", "bfloat16", "float16")
+OVERLONG_PROMPTS = ("drop", "fail")  # data.overlong_prompts (rlhf.data.prompts.PromptLimit.mode)
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,10 @@ def validate_config(cfg: RunConfig) -> None:
     # RL
     _require(r.n >= 1, "rollout.n", "an integer >= 1 (samples per prompt)", r.n)
     _require(r.max_tokens >= 1, "rollout.max_tokens", "an integer >= 1", r.max_tokens)
+    _require(r.max_tokens < shape.max_positions, "rollout.max_tokens",
+             f"fewer than the model's max_position_embeddings ({shape.max_positions}), leaving room for the prompt",
+             r.max_tokens)
+    _choice(d.overlong_prompts, "data.overlong_prompts", OVERLONG_PROMPTS)
     _require(r.temperature >= 0, "rollout.temperature", "a value >= 0", r.temperature)
     _require(0 < r.top_p <= 1, "rollout.top_p", "a value in (0, 1]", r.top_p)
     _require(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", "-1 (off) or an integer >= 1", r.top_k)

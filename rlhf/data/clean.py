@@ -4,7 +4,9 @@ Per document: newlines unified, runs of spaces/tabs collapsed to one space, each
 blank lines collapsed to one, the whole stripped. Then documents that are empty, shorter than
 `min_length` characters, or (with dedup) exact duplicates of an earlier kept document are dropped.
 `.txt` input: one document per line (so dedup removes duplicate lines). jsonl: the text under `json_key`;
-other fields are kept. The output has the input's format.
+other fields are kept. The output has the input's format. A line that is not valid UTF-8 is dropped and
+reported on stderr by file:line (never passed on with replacement characters). The output is written under
+a temporary name and renamed when complete.
 """
 
 from __future__ import annotations
@@ -12,15 +14,18 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlhf.data.jsonl import check_input_file, get_text, iter_lines, parse_line
 from rlhf.errors import UserError
+from rlhf.paths import staged_output_file
 
 _SPACES = re.compile(r"[ \t\f\v\u00a0]+")
 _BLANK_RUNS = re.compile(r"\n{3,}")
+MAX_REPORTED = 20  # invalid lines printed one by one; the rest only counted
 
 
 def normalize_text(text: str) -> str:
@@ -63,8 +68,15 @@ def clean_file(
     is_jsonl = src.suffix.lower() != ".txt"
     seen: set[bytes] = set()
     stats = CleanStats()
-    with open(dst, "w", encoding="utf-8") as out:
-        for lineno, line in iter_lines(src):
+
+    def bad_utf8(lineno: int, reason: str) -> None:
+        stats.read += 1
+        stats.dropped["invalid_utf8"] += 1
+        if stats.dropped["invalid_utf8"] <= MAX_REPORTED:
+            print(f"{src}:{lineno}: {reason} (dropped)", file=sys.stderr)
+
+    with staged_output_file(dst) as tmp, open(tmp, "w", encoding="utf-8") as out:
+        for lineno, line in iter_lines(src, on_bad_utf8=bad_utf8):
             stats.read += 1
             obj = None
             text: str | None = line

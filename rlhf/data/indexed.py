@@ -11,6 +11,7 @@ import numpy as np
 
 from rlhf.data.checks import check_data_prefix, data_prefix_paths
 from rlhf.errors import UserError
+from workers.files import file_errors, partial_name
 
 
 def megatron_indexed():
@@ -27,8 +28,9 @@ def token_dtype(vocab_size: int) -> type[np.number]:
 
 
 class IndexedWriter:
-    """Context manager around `IndexedDatasetBuilder`: one document per `add`, `.idx` written on success,
-    partial files removed on error."""
+    """Context manager around `IndexedDatasetBuilder`: one document per `add`. The files are written under
+    temporary names and renamed on success (`.bin` first, then the `.idx` that marks the set complete);
+    on error they are removed. A full disk or read-only folder is a FileProblem naming the file."""
 
     def __init__(self, prefix: str | Path, dtype: type[np.number]) -> None:
         self.prefix = str(prefix)
@@ -41,25 +43,39 @@ class IndexedWriter:
         bin_path, _ = data_prefix_paths(self.prefix)
         if not bin_path.parent.is_dir():
             raise UserError(f"output folder {bin_path.parent} does not exist")
-        self._builder = megatron_indexed().IndexedDatasetBuilder(str(bin_path), dtype=self.dtype)
+        with file_errors(bin_path, "write"):
+            self._builder = megatron_indexed().IndexedDatasetBuilder(str(partial_name(bin_path)), dtype=self.dtype)
         return self
 
     def add(self, ids: Sequence[int] | np.ndarray) -> None:
         """Append one document (a non-empty sequence of ids) as a single sequence."""
         arr = np.asarray(ids, dtype=self.dtype)
-        self._builder.add_document(arr, [int(arr.size)])
+        with file_errors(data_prefix_paths(self.prefix)[0], "write"):
+            self._builder.add_document(arr, [int(arr.size)])
         self.num_docs += 1
         self.num_tokens += int(arr.size)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         bin_path, idx_path = data_prefix_paths(self.prefix)
-        if exc_type is None:
-            self._builder.finalize(str(idx_path))
+        tmp_bin, tmp_idx = partial_name(bin_path), partial_name(idx_path)
+        if exc_type is not None:
+            self._remove(tmp_bin, tmp_idx)
             return
+        try:
+            with file_errors(bin_path, "write"):
+                self._builder.data_file.close()  # flushes: a full disk shows here
+            with file_errors(idx_path, "write"):
+                self._builder.finalize(str(tmp_idx))
+            os.replace(tmp_bin, bin_path)
+            os.replace(tmp_idx, idx_path)
+        except BaseException:
+            self._remove(tmp_bin, tmp_idx)
+            raise
+
+    def _remove(self, *paths: Path) -> None:
         self._builder.data_file.close()
-        for p in (bin_path, idx_path):
-            if os.path.exists(p):
-                os.remove(p)
+        for p in paths:
+            p.unlink(missing_ok=True)
 
 
 def open_indexed(prefix: str | Path):

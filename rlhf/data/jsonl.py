@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +21,37 @@ def check_input_file(path: str | Path, what: str = "input file") -> Path:
     return p
 
 
-def iter_lines(path: str | Path) -> Iterator[tuple[int, str]]:
-    """Yield (1-based line number, line without the newline) for each non-blank line, streaming."""
-    with open(path, encoding="utf-8", errors="replace") as f:
+# Bytes that are not valid UTF-8 decode, with errors="surrogateescape", to lone surrogates U+DC80..U+DCFF,
+# which valid UTF-8 never produces: a line holding one had invalid bytes.
+_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")
+
+BadLineFn = Callable[[int, str], None]
+
+
+def invalid_utf8(line: str) -> str | None:
+    """None for a line read with errors="surrogateescape" that was valid UTF-8, else the reason."""
+    m = _ESCAPED_BYTE.search(line)
+    if m is None:
+        return None
+    byte = ord(m.group()) - 0xDC00
+    return f"invalid UTF-8 (byte 0x{byte:02x} at character {m.start() + 1})"
+
+
+def iter_lines(path: str | Path, on_bad_utf8: BadLineFn | None = None) -> Iterator[tuple[int, str]]:
+    """Yield (1-based line number, line without the newline) for each non-blank line, streaming.
+
+    A line that is not valid UTF-8 is never passed on with replacement characters: it is a UserError
+    naming file:line, or, with `on_bad_utf8`, given to `on_bad_utf8(line number, reason)` and skipped.
+    """
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
         for lineno, line in enumerate(f, start=1):
             line = line.rstrip("\r\n")
+            bad = invalid_utf8(line)
+            if bad is not None:
+                if on_bad_utf8 is None:
+                    raise UserError(f"{path}:{lineno}: {bad}")
+                on_bad_utf8(lineno, bad)
+                continue
             if line.strip():
                 yield lineno, line
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -126,9 +126,8 @@ def preprocess_pretrain(
     with IndexedWriter(out_prefix, token_dtype(len(tok))) as writer:
         bar = tqdm(unit="docs", desc="tokenising", file=sys.stderr, disable=not progress, mininterval=0.5)
         initargs = (tok, json_key, is_jsonl, append_eod)
-        for results in imap_chunks(
-            _encode_chunk, iter_lines(path), workers, _init_worker, initargs, chunk_size
-        ):
+        lines = iter_lines(path, on_bad_utf8=bad_utf8_reporter(stats, path, strict))
+        for results in imap_chunks(_encode_chunk, lines, workers, _init_worker, initargs, chunk_size):
             for lineno, err in results.errors:
                 report_malformed(stats, f"{path}:{lineno}: {err}", strict)
             for ids in results.documents():
@@ -144,6 +143,17 @@ def preprocess_pretrain(
             raise UserError(f"{path}: no tokens to write ({stats.summary()})")
     stats.seconds = time.time() - start
     return out_prefix, stats
+
+
+def bad_utf8_reporter(stats: PreprocessStats, path: Path, strict: bool) -> Callable[[int, str], None]:
+    """The `iter_lines` callback for a line that is not valid UTF-8: counted and reported as malformed,
+    or (strict) a UserError naming file:line."""
+
+    def report(lineno: int, reason: str) -> None:
+        stats.lines += 1
+        report_malformed(stats, f"{path}:{lineno}: {reason}", strict)
+
+    return report
 
 
 def report_malformed(stats: PreprocessStats, message: str, strict: bool) -> None:

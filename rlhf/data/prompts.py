@@ -1,14 +1,16 @@
 """RL prompt sets: `load_prompt_dataset` (local jsonl or parquet, never a hub) and the resumable `PromptLoader`.
 
 Each prompt is `{"prompt": str | None, "messages": list[{"role", "content"}] | None, "ground_truth": str}`:
-raw-text prompts fill `prompt`, chat prompts (`messages_key` set) fill `messages`.
+raw-text prompts fill `prompt`, chat prompts (`messages_key` set) fill `messages`. With a `PromptLimit`,
+prompts too long for the model's context are dropped (counted) or refused when the file is read.
 """
 
 from __future__ import annotations
 
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,42 @@ from rlhf.data.jsonl import check_input_file, read_jsonl
 from rlhf.errors import UserError
 
 PromptRecord = dict[str, Any]
+
+
+@dataclass
+class PromptLimit:
+    """The most tokens a prompt may have (after the chat template) so that it and the completion fit the
+    model's context; `count` gives the token length of each record, `explain` spells the arithmetic out.
+    mode "drop" skips longer prompts and counts them in `dropped` (file -> (count, first location));
+    "fail" raises a UserError naming the first one's file:line."""
+
+    max_prompt_tokens: int
+    explain: str
+    count: Callable[[list[PromptRecord]], list[int]]
+    mode: str = "drop"
+    dropped: dict[str, tuple[int, str]] = field(default_factory=dict)
+
+    def apply(self, records: list[PromptRecord], wheres: list[str], path: Path) -> list[PromptRecord]:
+        """`records` without the over-long ones (mode drop), or a UserError at the first one (mode fail)."""
+        kept = []
+        for rec, where, n in zip(records, wheres, self.count(records), strict=True):
+            if n <= self.max_prompt_tokens:
+                kept.append(rec)
+                continue
+            if self.mode == "fail":
+                raise UserError(f"{where}: the prompt has {n} tokens (after the chat template), more than "
+                                f"{self.explain}; data.overlong_prompts=drop skips such prompts")
+            count, first = self.dropped.get(str(path), (0, where))
+            self.dropped[str(path)] = (count + 1, first)
+        return kept
+
+    def summary(self) -> str:
+        """One line per file with dropped prompts, or "" when none were."""
+        return "\n".join(
+            f"{path}: dropped {count} prompt(s) longer than {self.explain} tokens (first at {first}; "
+            "data.overlong_prompts=fail refuses them)"
+            for path, (count, first) in self.dropped.items()
+        )
 
 
 def _read_records(path: Path) -> Iterator[tuple[int, dict]]:
@@ -51,14 +89,20 @@ def _as_messages(value: Any, where: str, key: str) -> list[dict[str, str]]:
 
 
 def read_prompt_file(
-    path: str | Path, prompt_key: str = "prompt", messages_key: str | None = None, answer_key: str = "answer"
+    path: str | Path,
+    prompt_key: str = "prompt",
+    messages_key: str | None = None,
+    answer_key: str = "answer",
+    limit: PromptLimit | None = None,
 ) -> list[PromptRecord]:
-    """All prompts of one file, fields mapped; a missing key names the key and the first offending line."""
+    """All prompts of one file, fields mapped; a missing key names the key and the first offending line.
+    With `limit`, over-long prompts are dropped or refused (see PromptLimit)."""
     p = check_input_file(path, "prompt file")
     unit = "row" if p.suffix.lower() == ".parquet" else "line"
     source_key = messages_key or prompt_key
     missing: dict[str, tuple[int, int]] = {}  # key -> (first line, count)
     out: list[PromptRecord] = []
+    wheres: list[str] = []
     for n, rec in _read_records(p):
         absent = [k for k in (source_key, answer_key) if rec.get(k) is None]
         for k in absent:
@@ -67,6 +111,7 @@ def read_prompt_file(
         if absent:
             continue
         where = f"{p}:{n}" if unit == "line" else f"{p} row {n}"
+        wheres.append(where)
         answer = rec[answer_key]
         if isinstance(answer, bool) or not isinstance(answer, str | int | float):
             raise UserError(
@@ -89,6 +134,10 @@ def read_prompt_file(
     if missing:
         key, (first, count) = next(iter(missing.items()))
         raise UserError(f"{p}: key {key!r} missing in {count} {unit}(s), first at {unit} {first}")
+    if limit is not None and out:
+        out = limit.apply(out, wheres, p)
+        if not out:
+            raise UserError(f"{p}: no prompts left: every prompt is longer than {limit.explain} tokens")
     if not out:
         raise UserError(f"{p}: no prompts")
     return out
@@ -102,13 +151,15 @@ def load_prompt_dataset(
     messages_key: str | None = None,
     answer_key: str = "answer",
     seed: int = 0,
+    limit: PromptLimit | None = None,
 ) -> tuple[list[PromptRecord], list[PromptRecord]]:
     """(train, val) prompt lists, each shuffled with `seed`.
 
     val comes from `val_file`, or else `val_size` prompts (an int, or a fraction in (0, 1)) are held out of
-    the shuffled train file; with neither, val is empty.
+    the shuffled train file; with neither, val is empty. `limit` drops or refuses over-long prompts first.
     """
-    keys = dict(prompt_key=prompt_key, messages_key=messages_key, answer_key=answer_key)
+    keys: dict[str, Any] = dict(prompt_key=prompt_key, messages_key=messages_key, answer_key=answer_key,
+                                limit=limit)
     if val_file is not None and val_size:
         raise UserError("give either val_file or val_size, not both")
     if isinstance(val_size, bool) or not isinstance(val_size, int | float) or val_size < 0:

@@ -19,7 +19,7 @@ from rlhf.data.chat import check_chat_template, encode_sft_record
 from rlhf.data.indexed import IndexedWriter, open_indexed, token_dtype
 from rlhf.data.jsonl import check_input_file, iter_lines, parse_line
 from rlhf.data.parallel import imap_chunks
-from rlhf.data.preprocess import PreprocessStats, report_malformed
+from rlhf.data.preprocess import PreprocessStats, bad_utf8_reporter, report_malformed
 from rlhf.data.tokenizer import load_tokenizer
 from rlhf.errors import UserError
 
@@ -108,9 +108,8 @@ def preprocess_sft(
         IndexedWriter(mask_prefix, np.uint8) as mask_out,
     ):
         bar = tqdm(unit="docs", desc="tokenising", file=sys.stderr, disable=not progress, mininterval=0.5)
-        chunks = imap_chunks(
-            _encode_chunk, iter_lines(path), workers, _init_worker, (tok, seq_length), chunk_size
-        )
+        lines = iter_lines(path, on_bad_utf8=bad_utf8_reporter(stats, path, strict))
+        chunks = imap_chunks(_encode_chunk, lines, workers, _init_worker, (tok, seq_length), chunk_size)
         for results in chunks:
             for lineno, pair, err in results:
                 stats.lines += 1

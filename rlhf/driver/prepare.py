@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rlhf.config.schema import RunConfig
 from rlhf.errors import ConfigError
+
+if TYPE_CHECKING:
+    from rlhf.data.prompts import PromptLimit
 
 TASKS = ("arithmetic",)
 
@@ -49,6 +53,12 @@ def _model(cfg: RunConfig, out: Path) -> None:
     if m.path:
         if not (Path(m.path) / "config.json").is_file():
             raise ConfigError(f"model.path: {m.path} is not an HF model folder (no config.json)")
+        from workers.megatron.hf_weights import HFTensorSource
+
+        try:  # every safetensors header is read: a truncated file is a FileProblem now, not in a worker
+            HFTensorSource(m.path).close()
+        except ValueError as e:
+            raise ConfigError(f"model.path: {e}") from None
         return
     from rlhf.tiny_models import create_tiny_model
 
@@ -75,6 +85,46 @@ def _model(cfg: RunConfig, out: Path) -> None:
         m.path = str(warm)
 
 
+def prompt_limit(cfg: RunConfig) -> PromptLimit | None:
+    """The prompt-length limit of an RL run: the model's context minus rollout.max_tokens, counted as the
+    rollout engine tokenises prompts (chat template with the generation prompt, or raw text); None when
+    the model's config names no maximum."""
+    from rlhf.data.checks import max_positions
+    from rlhf.data.prompts import PromptLimit
+
+    context = max_positions(cfg.model.path)
+    if context is None:
+        return None
+    max_tokens = cfg.rollout.max_tokens
+    tokenizer = None
+
+    def count(records: list) -> list[int]:
+        nonlocal tokenizer
+        from rlhf.data.tokenizer import load_tokenizer
+        from workers.rollout.prompts import normalise
+
+        tokenizer = tokenizer or load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+        return [len(ids) for ids in normalise([r["prompt"] or r["messages"] for r in records], tokenizer).ids]
+
+    return PromptLimit(context - max_tokens, f"max_position_embeddings ({context}) - rollout.max_tokens "
+                       f"({max_tokens}) = {context - max_tokens}", count, cfg.data.overlong_prompts)
+
+
+def load_rl_prompts(cfg: RunConfig, report: bool = True) -> tuple[list, list]:
+    """The run's (train, val) prompts with over-long ones dropped (a count on stdout when `report`) or
+    refused, per data.overlong_prompts."""
+    from rlhf.data.prompts import load_prompt_dataset
+
+    d = cfg.data
+    limit = prompt_limit(cfg)
+    train, val = load_prompt_dataset(d.train_file, d.val_file, val_size=d.val_size, prompt_key=d.prompt_key,
+                                     messages_key=d.messages_key, answer_key=d.answer_key, seed=d.seed,
+                                     limit=limit)
+    if report and limit is not None and limit.dropped:
+        print(limit.summary(), flush=True)
+    return train, val
+
+
 def prepare_inputs(cfg: RunConfig) -> RunConfig:
     """Generate or check the run's inputs in place and return `cfg`; raise UserError on bad input."""
     out = Path(cfg.trainer.output_dir)
@@ -83,17 +133,15 @@ def prepare_inputs(cfg: RunConfig) -> RunConfig:
     if cfg.data.task and not cfg.data.train_file:
         _task_data(cfg, out)
     if rl:
-        from rlhf.data.prompts import load_prompt_dataset
         from rlhf.driver.rewards import resolve_reward_fn
 
         if cfg.reward.fn and not cfg.reward.model_path:
             resolve_reward_fn(cfg.reward.fn)
         if not cfg.data.train_file:
             raise ConfigError("data.train_file: expected a jsonl or parquet prompt file (or data.task: arithmetic)")
-        d = cfg.data
-        load_prompt_dataset(d.train_file, d.val_file, val_size=d.val_size, prompt_key=d.prompt_key,
-                            messages_key=d.messages_key, answer_key=d.answer_key, seed=d.seed)
     _model(cfg, out)
+    if rl:  # after _model: prompt lengths are counted with the model's tokenizer and chat template
+        load_rl_prompts(cfg, report=False)
     if cfg.algorithm.name == "pretrain" and cfg.data.task and cfg.data.data_prefix:
         _pretrain_index(cfg, out)
     return cfg

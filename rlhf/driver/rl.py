@@ -62,12 +62,12 @@ def default_step_fn(cfg: RunConfig) -> StepFn:
 
 def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
     """Train with `step_fn` (GRPO or PPO by default) and return the last metrics row."""
-    from rlhf.data.prompts import PromptLoader, load_prompt_dataset
+    from rlhf.data.prompts import PromptLoader
+    from rlhf.driver.prepare import load_rl_prompts
 
     step_fn = step_fn or default_step_fn(cfg)
     t, d, a = cfg.trainer, cfg.data, cfg.algorithm
-    train, val = load_prompt_dataset(d.train_file, d.val_file, val_size=d.val_size, prompt_key=d.prompt_key,
-                                     messages_key=d.messages_key, answer_key=d.answer_key, seed=d.seed)
+    train, val = load_rl_prompts(cfg)  # over-long prompts dropped (counted) or refused before Ray starts
     loader = PromptLoader(train, d.prompts_per_step, seed=d.seed)
     evals = eval_tasks(cfg)
     kl_ctrl = make_kl_controller(a.kl_ctrl, a.kl_coef, target=a.kl_target, horizon=a.kl_horizon)

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from workers.files import FileProblem, file_errors
 from workers.megatron.hf_map import (
     REPLICATED,
     Dims,
@@ -50,14 +51,19 @@ class HFTensorSource:
         if isinstance(source, Mapping):
             self._mapping = source
             return
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         folder = Path(source)
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise ValueError(f"no *.safetensors files in {folder}")
         for f in files:
-            handle = self._stack.enter_context(safe_open(str(f), framework="pt"))
+            try:
+                with file_errors(f, "read"):
+                    handle = self._stack.enter_context(safe_open(str(f), framework="pt"))
+            except SafetensorError as e:  # a header that does not parse or covers more bytes than the file has
+                self._stack.close()
+                raise FileProblem(f, f"truncated or corrupt safetensors file ({e})") from e
             for name in handle.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                 if name in self._handles:
                     raise ValueError(f"tensor {name} appears in more than one safetensors file ({f.name})")

@@ -17,6 +17,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from workers.files import FileProblem
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
@@ -55,6 +57,8 @@ def _worker(
                 destroy_distributed()
         # Plain pickle: tensors travel by value, not as shared-memory handles that die with this process.
         results.put((rank, True, pickle.dumps(out)))
+    except FileProblem as e:  # a full disk, read-only folder or truncated file: re-raised as such by the parent
+        results.put((rank, False, (e.path, e.cause)))
     except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
         results.put((rank, False, traceback.format_exc()))
 
@@ -70,8 +74,9 @@ def run_distributed(
 ) -> list[Any]:
     """Run `fn(*args)` on `world_size` spawned ranks (TP `tp`, PP `pp`, DP the rest); return results by rank.
 
-    Raises DistributedError with the failing rank's traceback if any rank raises, and TimeoutError (after
-    killing the ranks) if they do not all finish within `timeout_s`. Results must be picklable.
+    Raises DistributedError with the failing rank's traceback if any rank raises (a FileProblem as itself),
+    and TimeoutError (after killing the ranks) if they do not all finish within `timeout_s`. Results must
+    be picklable.
     """
     import torch.multiprocessing as mp
 
@@ -101,6 +106,8 @@ def run_distributed(
                 if dead:
                     raise DistributedError(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode}") from None
                 continue
+            if not ok and isinstance(value, tuple):
+                raise FileProblem(*value)
             if not ok:
                 raise DistributedError(f"rank {rank} failed:\n{value}")
             out[rank] = pickle.loads(value)

@@ -1,0 +1,204 @@
+"""Truncated files, a full disk and a read-only output folder end every command with one line naming the file
+and the cause, exit code 2, and no half-written output (outputs are renamed into place only when complete).
+
+The commands are the real ones (`rlhf.cli.main`, in process so the disk faults below can be injected; the
+converter's ranks are real spawned processes). A full disk cannot be made without root (no small tmpfs
+here), so it is simulated in this process at the write call: `open` hands out files whose `write` raises
+OSError(ENOSPC) after a few bytes, as a full file system does. Read-only: a folder chmod-ed to 0o555 when
+the tests run as a normal user; as root, where the mode does not stop writes, opening or creating anything
+under that folder raises OSError(EROFS) in this process, as a read-only mount does.
+"""
+
+from __future__ import annotations
+
+import builtins
+import errno
+import io
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from rlhf.cli import main as cli
+
+ROOT = os.geteuid() == 0
+READ_ONLY = ("read-only file system", "permission denied (read-only folder?)")
+
+
+def _one_line(capsys, command: str) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith(f"rlhf {command}: error: "), err
+    return err
+
+
+def _nothing_left(folder: Path, *keep: str) -> None:
+    left = sorted(p.name for p in folder.iterdir() if p.name not in keep)
+    assert left == [], f"half-written output left behind: {left}"
+
+
+class _FullDiskFile:
+    """A real file whose writes fail with ENOSPC once `room` bytes are used."""
+
+    def __init__(self, f, room: int) -> None:
+        self._f, self._room = f, room
+
+    def write(self, data):
+        self._room -= len(data)
+        if self._room < 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return self._f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+
+@pytest.fixture
+def full_disk(tmp_path, monkeypatch):
+    """Files opened for writing under `tmp_path/full` run out of space after 64 bytes (see module doc)."""
+    folder = tmp_path / "full"
+    folder.mkdir()
+    real_open = builtins.open
+
+    def fake_open(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        if isinstance(file, str | os.PathLike) and str(file).startswith(str(folder)) and set(mode) & set("wax"):
+            return _FullDiskFile(f, 64)
+        return f
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    monkeypatch.setattr(io, "open", fake_open)
+    monkeypatch.setattr(shutil, "_USE_CP_SENDFILE", False)  # copies go through open() too
+    return folder
+
+
+@pytest.fixture
+def read_only(tmp_path, monkeypatch):
+    """A folder nothing can be written into (see module doc)."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    if not ROOT:
+        folder.chmod(0o555)
+        yield folder
+        folder.chmod(0o755)
+        return
+
+    def refuse(path) -> None:
+        p = os.fspath(path) if isinstance(path, str | os.PathLike) else ""
+        if isinstance(p, str) and os.path.abspath(p).startswith(str(folder) + os.sep):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), p)
+
+    real_open, real_os_open, real_mkdir = builtins.open, os.open, os.mkdir
+
+    def fake_open(file, mode="r", *args, **kwargs):
+        if set(mode) & set("wax+"):
+            refuse(file)
+        return real_open(file, mode, *args, **kwargs)
+
+    def fake_os_open(path, flags, *args, **kwargs):
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            refuse(path)
+        return real_os_open(path, flags, *args, **kwargs)
+
+    def fake_mkdir(path, *args, **kwargs):
+        refuse(path)
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    monkeypatch.setattr(io, "open", fake_open)
+    monkeypatch.setattr(os, "open", fake_os_open)
+    monkeypatch.setattr(os, "mkdir", fake_mkdir)
+    yield folder
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    src = tmp_path_factory.mktemp("corpus") / "c.jsonl"
+    src.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(20)))
+    return src
+
+
+def test_read_only_output_folder_every_command(read_only, corpus, tiny_model_factory, capsys):
+    model = tiny_model_factory("tiny-qwen2")
+    capsys.readouterr()
+    commands = {
+        "clean": ["--input", str(corpus), "--output", str(read_only / "c.jsonl")],
+        "preprocess": ["--input", str(corpus), "--output-prefix", str(read_only / "p"), "--tokenizer", model,
+                       "--no-progress"],
+        "convert": ["hf-to-mcore", "--hf", model, "--out", str(read_only / "mc")],
+        "generate": ["--model", model, "--prompt", "hi", "--output", str(read_only / "g.jsonl")],
+        "init-model": ["--preset", "tiny-qwen2", "--out", str(read_only / "m")],
+        "train": ["configs/grpo_tiny.yaml", f"trainer.output_dir={read_only / 'run'}"],
+    }
+    for command, args in commands.items():
+        assert cli([command, *args]) == 2, command
+        err = _one_line(capsys, command)
+        assert f"{read_only}/" in err and err.endswith(READ_ONLY), err
+    _nothing_left(read_only)
+
+
+def test_full_disk_clean_preprocess(full_disk, corpus, tiny_model_factory, capsys):
+    model = tiny_model_factory("tiny-qwen2")
+    capsys.readouterr()
+    assert cli(["clean", "--input", str(corpus), "--output", str(full_disk / "c.jsonl")]) == 2
+    assert _one_line(capsys, "clean").endswith(f"{full_disk / 'c.jsonl'}: cannot write: no space left on device")
+    assert cli(["preprocess", "--input", str(corpus), "--output-prefix", str(full_disk / "p"),
+                "--tokenizer", model, "--no-progress"]) == 2
+    err = _one_line(capsys, "preprocess")
+    assert err.endswith(f"{full_disk / 'p_text_document.bin'}: cannot write: no space left on device"), err
+    _nothing_left(full_disk)
+
+
+def test_truncated_safetensors(tmp_path, tiny_model_factory, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_factory("tiny-qwen2"), model)
+    weights = model / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    capsys.readouterr()
+    commands = {
+        "convert": ["hf-to-mcore", "--hf", str(model), "--out", str(tmp_path / "out" / "mc")],
+        "generate": ["--model", str(model), "--prompt", "hi"],
+        "train": ["configs/grpo_tiny.yaml", f"model.path={model}", "model.preset=null", "model.warm_start_steps=0",
+                  "data.task=null", f"data.train_file={tmp_path / 'p.jsonl'}", f"trainer.output_dir={tmp_path / 'run'}"],
+    }
+    for command, args in commands.items():
+        assert cli([command, *args]) == 2, command
+        err = _one_line(capsys, command)
+        assert f"{weights}: truncated or corrupt safetensors file (" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_full_disk_and_truncated_shard_leave_no_output(tmp_path, full_disk, tiny_model_factory, capsys):
+    """hf-to-mcore onto a full disk (the ranks' writes are real, the parent's last files fail), then a real
+    conversion whose shard is truncated: mcore-to-hf names the checkpoint, leaves no output folder, and with
+    --force keeps the old output intact."""
+    model = tiny_model_factory("tiny-qwen2")
+    capsys.readouterr()
+    assert cli(["convert", "hf-to-mcore", "--hf", model, "--out", str(full_disk / "mc")]) == 2
+    err = _one_line(capsys, "convert")
+    assert f"{full_disk / 'mc'}" in err and err.endswith("cannot write: no space left on device"), err
+    _nothing_left(full_disk)
+
+    mc = tmp_path / "mc"
+    assert cli(["convert", "hf-to-mcore", "--hf", model, "--out", str(mc)]) == 0
+    capsys.readouterr()
+    shard = sorted((mc / "model").glob("*.distcp"))[-1]
+    os.truncate(shard, shard.stat().st_size // 3)
+    out = tmp_path / "hf"
+    assert cli(["convert", "mcore-to-hf", "--mcore", str(mc), "--out", str(out)]) == 2
+    assert _one_line(capsys, "convert").endswith(f"{mc / 'model'}: truncated or corrupt checkpoint shard (EOFError)")
+    _nothing_left(tmp_path, "mc", "full")
+    out.mkdir()
+    (out / "old.txt").write_text("kept")
+    assert cli(["convert", "mcore-to-hf", "--mcore", str(mc), "--out", str(out), "--force"]) == 2
+    _one_line(capsys, "convert")
+    assert [p.name for p in out.iterdir()] == ["old.txt"]
+    _nothing_left(tmp_path, "mc", "full", "hf")

@@ -194,11 +194,14 @@ def test_convert_full_disk_and_truncated_shard_leave_no_output(tmp_path, full_di
     os.truncate(shard, shard.stat().st_size // 3)
     out = tmp_path / "hf"
     assert cli(["convert", "mcore-to-hf", "--mcore", str(mc), "--out", str(out)]) == 2
+    assert "--trust-checkpoint" in _one_line(capsys, "convert")  # the manifest no longer matches the shard
+    assert cli(["convert", "mcore-to-hf", "--mcore", str(mc), "--out", str(out), "--trust-checkpoint"]) == 2
     assert _one_line(capsys, "convert").endswith(f"{mc / 'model'}: truncated or corrupt checkpoint shard (EOFError)")
     _nothing_left(tmp_path, "mc", "full")
     out.mkdir()
     (out / "old.txt").write_text("kept")
-    assert cli(["convert", "mcore-to-hf", "--mcore", str(mc), "--out", str(out), "--force"]) == 2
+    assert cli(["convert", "mcore-to-hf", "--mcore", str(mc), "--out", str(out), "--force",
+                "--trust-checkpoint"]) == 2
     _one_line(capsys, "convert")
     assert [p.name for p in out.iterdir()] == ["old.txt"]
     _nothing_left(tmp_path, "mc", "full", "hf")

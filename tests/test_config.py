@@ -57,6 +57,10 @@ def test_wrong_type():
         ("rollout.n=0", ["rollout.n", ">= 1"]),
         ("algorithm.kl_kind=k9", ["algorithm.kl_kind", "k3"]),
         ("algorithm.clip_c=0.5", ["algorithm.clip_c", "> 1"]),
+        ("rollout.dtype=float64", ["rollout.dtype", "bfloat16", "auto"]),
+        ("rollout.tp=0", ["rollout.tp", ">= 1"]),
+        ("rollout.tp=3", ["rollout.tp=3", "4 attention heads"]),
+        ("rollout.max_num_seqs=0", ["rollout.max_num_seqs", ">= 1"]),
     ],
 )
 def test_out_of_range(override, words):

@@ -19,6 +19,7 @@ from rlhf.errors import ConfigError
 
 ALGORITHMS = ("grpo", "ppo", "sft", "pretrain")
 DTYPES = ("float32", "bfloat16", "float16")
+ROLLOUT_DTYPES = (*DTYPES, "auto")  # vLLM's "auto": the model config's torch_dtype
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,17 @@ def _check_role(name: str, role: RoleConfig, shape: ModelShape | None) -> None:
         raise ConfigError(f"{name}.parallel.pp={par.pp} does not divide the {shape.num_layers} layers of {src}")
 
 
+def _check_rollout_engine(cfg: RunConfig, shape: ModelShape) -> None:
+    """The vLLM engine's settings (its own checks run only once Ray and the engine actor are up)."""
+    r = cfg.rollout
+    _choice(r.dtype, "rollout.dtype", ROLLOUT_DTYPES)
+    _require(r.tp >= 1, "rollout.tp", "an integer >= 1", r.tp)
+    _require(r.max_num_seqs >= 1, "rollout.max_num_seqs", "an integer >= 1 (sequences per engine step)",
+             r.max_num_seqs)
+    if shape.num_heads % r.tp:
+        raise ConfigError(f"rollout.tp={r.tp} does not divide the {shape.num_heads} attention heads of {shape.source}")
+
+
 def _check_rl_batches(cfg: RunConfig) -> None:
     d, r, a = cfg.data, cfg.rollout, cfg.algorithm
     rollout_batch = d.prompts_per_step * r.n
@@ -164,6 +176,7 @@ def validate_config(cfg: RunConfig) -> None:
     _require(0 < r.top_p <= 1, "rollout.top_p", "a value in (0, 1]", r.top_p)
     _require(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", "-1 (off) or an integer >= 1", r.top_k)
     _require(r.kv_cache_gb > 0, "rollout.kv_cache_gb", "a size in GiB > 0", r.kv_cache_gb)
+    _check_rollout_engine(cfg, shape)
     _require(r.num_threads >= 1, "rollout.num_threads", "an integer >= 1", r.num_threads)
     _require(r.max_num_batched_tokens is None or r.max_num_batched_tokens >= 1, "rollout.max_num_batched_tokens",
              "null or an integer >= 1", r.max_num_batched_tokens)

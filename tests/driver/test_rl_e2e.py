@@ -94,6 +94,7 @@ def test_resume_is_deterministic(tmp_path):
         (["reward.fn=no_such_reward"], ["reward.fn", "no_such_reward"]),
         (["reward.fn=no_such_module:fn"], ["reward.fn", "no_such_module"]),
         (["data.task=null", "data.train_file=/nonexistent/prompts.jsonl"], ["/nonexistent/prompts.jsonl"]),
+        (["rollout.max_num_seqs=0"], ["rollout.max_num_seqs", ">= 1"]),  # vLLM's own check runs in the actor
     ],
 )
 def test_bad_input_fails_before_workers(tmp_path, overrides, words):

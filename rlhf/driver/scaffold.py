@@ -22,6 +22,7 @@ from rlhf.driver.checkpoints import CheckpointManager
 from rlhf.driver.metrics import MetricsLogger, wandb_args
 from rlhf.driver.ray_env import init_ray
 from rlhf.driver.report import write_report
+from rlhf.driver.run_dir import drop_rows_after, refuse_unclaimed
 
 
 class _Stoppable(Protocol):
@@ -44,6 +45,7 @@ class RunScaffold:
         self._own_ray = False
 
     def __enter__(self) -> RunScaffold:
+        refuse_unclaimed(self.out, self.cfg.trainer.resume)  # `rlhf train` has moved it aside with --force
         self.out.mkdir(parents=True, exist_ok=True)
         save_config(self.cfg, self.out / "config.yaml")
         self._tracking = wandb_args(self.cfg)  # raises here, before Ray, if trainer.wandb is set without wandb
@@ -60,8 +62,10 @@ class RunScaffold:
         return self.ckpt.latest() if self.cfg.trainer.resume == "auto" else None
 
     def metrics_logger(self, start_step: int) -> MetricsLogger:
-        """The run's metric sinks (metrics.jsonl, TensorBoard, Ray gauges, progress bar, wandb)."""
+        """The run's metric sinks (metrics.jsonl, TensorBoard, Ray gauges, progress bar, wandb). Rows a
+        resumed run logged after its checkpoint at `start_step` are dropped: each step appears once."""
         t = self.cfg.trainer
+        drop_rows_after(self.out / "metrics.jsonl", start_step)
         self.logger = MetricsLogger(self.out, t.total_steps, tensorboard=t.tensorboard, progress_bar=t.progress_bar,
                                     start_step=start_step, prefix=self.cfg.algorithm.name, wandb=self._tracking)
         return self.logger

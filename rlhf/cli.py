@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from rlhf.errors import UserError
+from rlhf.errors import Stopped, UserError
 
 # Command modules, imported lazily so `rlhf --help` stays fast. Add new commands here.
 COMMAND_MODULES = [
@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"rlhf {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except Stopped as e:  # SIGTERM / SIGINT: stopped at a step boundary (rlhf.driver.preempt)
+        print(f"rlhf {args.command}: {e}", file=sys.stderr)
+        return e.exit_code
     except Exception as e:
         if not is_worker_failure(e):
             raise

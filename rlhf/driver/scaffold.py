@@ -13,6 +13,7 @@ first) and Ray when this run started it. The report is written only when the blo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
@@ -20,9 +21,11 @@ from typing import Any, Protocol, TypeVar
 from rlhf.config import RunConfig, save_config
 from rlhf.driver.checkpoints import CheckpointManager
 from rlhf.driver.metrics import MetricsLogger, wandb_args
+from rlhf.driver.preempt import StopSignals
 from rlhf.driver.ray_env import init_ray
 from rlhf.driver.report import write_report
 from rlhf.driver.run_dir import drop_rows_after, refuse_unclaimed
+from rlhf.errors import Stopped
 
 
 class _Stoppable(Protocol):
@@ -43,6 +46,7 @@ class RunScaffold:
         self._parts: list[_Stoppable] = []
         self._tracking: dict[str, Any] | None = None
         self._own_ray = False
+        self.signals = StopSignals(cfg.trainer.stop_grace_s)
 
     def __enter__(self) -> RunScaffold:
         refuse_unclaimed(self.out, self.cfg.trainer.resume)  # `rlhf train` has moved it aside with --force
@@ -50,6 +54,7 @@ class RunScaffold:
         save_config(self.cfg, self.out / "config.yaml")
         self._tracking = wandb_args(self.cfg)  # raises here, before Ray, if trainer.wandb is set without wandb
         self._own_ray = init_ray(self.cfg.trainer)
+        self.signals.install()  # after ray.init, whose own SIGTERM handler would exit mid-step
         return self
 
     def own(self, part: S) -> S:
@@ -75,6 +80,15 @@ class RunScaffold:
         after the last step."""
         return step == self.cfg.trainer.total_steps or bool(every and step % every == 0)
 
+    def stop_point(self, step: int, save: Callable[[], Any] | None) -> None:
+        """At a step boundary: after SIGTERM / SIGINT, call `save` (None: `step` is already checkpointed, or
+        nothing was trained) and raise Stopped; the block's exit then releases the actors."""
+        if not self.signals.requested:
+            return
+        if save is not None:
+            save()
+        raise Stopped(f"stopped at step {step}; resume with --resume", self.signals.exit_code)
+
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         try:
@@ -83,9 +97,12 @@ class RunScaffold:
             for part in reversed(self._parts):
                 part.shutdown()
         finally:
-            if self._own_ray:
-                import ray
+            try:
+                if self._own_ray:
+                    import ray
 
-                ray.shutdown()
+                    ray.shutdown()
+            finally:
+                self.signals.restore()
         if exc_type is None:
             print(write_report(self.out, title=f"{self.cfg.algorithm.name} {self.out.name}"), flush=True)

@@ -16,6 +16,7 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -74,6 +75,7 @@ def train(example: Example, out: Path) -> dict:
     """Run the example's config as shipped into `out`; its curve, wall time and step times."""
     cmd = [sys.executable, "-m", "rlhf", "train", f"configs/{example.name}.yaml", "trainer.progress_bar=false",
            "trainer.save_every=0", f"trainer.output_dir={out}"]
+    shutil.rmtree(out, ignore_errors=True)  # this script's own output: a rerun starts it afresh
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with (out.parent / f"{example.name}.log").open("w") as log:

@@ -13,7 +13,7 @@ import argparse
 import importlib
 import sys
 
-from rlhf.errors import UserError
+from rlhf.errors import Stopped, UserError
 from workers.files import FileProblem, os_cause, output_name
 
 # Command modules, imported lazily so `rlhf --help` stays fast. Add new commands here.
@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"rlhf {args.command}: error: {output_name(e.filename)}: {cause}", file=sys.stderr)
         return 2
+    except Stopped as e:  # SIGTERM / SIGINT: stopped at a step boundary (rlhf.driver.preempt)
+        print(f"rlhf {args.command}: {e}", file=sys.stderr)
+        return e.exit_code
     except Exception as e:
         if not is_worker_failure(e):
             raise

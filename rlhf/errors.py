@@ -7,3 +7,15 @@ class UserError(Exception):
 
 class ConfigError(UserError):
     """A config value is missing, unknown, of the wrong type, or inconsistent with another."""
+
+
+class NonFiniteError(UserError):
+    """Too many optimizer steps in a row had a NaN/Inf gradient norm (policy.optim.max_consecutive_nonfinite)."""
+
+
+class Stopped(Exception):
+    """The run stopped on SIGTERM / SIGINT; `exit_code` is 128 + the signal (143, 130)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code

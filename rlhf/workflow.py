@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from rlhf.config.schema import RoleConfig, RunConfig
-from rlhf.driver.rewards import resolve_reward_fn, score_batch
+from rlhf.config.schema import RewardConfig, RoleConfig, RunConfig
+from rlhf.driver.rewards import RewardScorer
 from workers.batch import Batch
 
 
@@ -111,10 +111,10 @@ class CriticHandle(PolicyHandle):
 
 
 class RewardHandle:
-    """A rule function (`reward.fn`) or a reward-model group; adds `scores` [B]."""
+    """A rule function (`reward.fn`, scored by `RewardScorer`) or a reward-model group; adds `scores` [B]."""
 
-    def __init__(self, fn_spec: str | None, model_group: Any = None) -> None:
-        self.fn = resolve_reward_fn(fn_spec) if fn_spec else None
+    def __init__(self, reward: RewardConfig | None, model_group: Any = None) -> None:
+        self.scorer = RewardScorer(reward) if reward is not None and reward.fn else None
         self.model_group = model_group
 
     def __call__(self, batch: Batch) -> Batch:
@@ -122,12 +122,18 @@ class RewardHandle:
             batch["scores"] = torch.tensor(batch["env_reward"], dtype=torch.float32)
         elif self.model_group is not None:
             batch["scores"] = self.model_group.compute_scores(batch.select(["input_ids", "attention_mask"]))["scores"]
-        else:
+        elif self.scorer is not None:
             gts = batch["ground_truth"] if "ground_truth" in batch else [None] * len(batch)
-            batch["scores"] = score_batch(self.fn, batch["prompt"], batch["response_text"], gts)
+            batch["scores"] = self.scorer.score(batch["prompt"], batch["response_text"], gts)
         return batch
 
+    def pop_metrics(self) -> dict[str, float]:
+        """Reward calls scored by the fallback since the last call (`reward/errors`, `reward/timeouts`)."""
+        return self.scorer.pop_metrics() if self.scorer is not None else {}
+
     def shutdown(self) -> None:
+        if self.scorer is not None:
+            self.scorer.shutdown()
         if self.model_group is not None:
             self.model_group.shutdown()
 
@@ -175,7 +181,7 @@ class Roles:
         from workers.rollout import EngineConfig, RolloutGroup, SamplingConfig, SyncConfig
 
         run_dir = Path(run_dir)
-        reward = RewardHandle(cfg.reward.fn)  # resolve before any worker starts
+        reward = RewardHandle(cfg.reward)  # resolve before any worker starts
         temp = sampling_temperature(cfg)
         policy = PolicyHandle(_group("policy", cfg.policy, cfg, run_dir, PolicyWorker), temp)
         handles: dict[str, Any] = {"policy": policy}
@@ -186,6 +192,7 @@ class Roles:
             if cfg.critic.enabled:
                 handles["critic"] = CriticHandle(_group("critic", cfg.critic, cfg, run_dir, CriticWorker))
             if cfg.reward.model_path:  # the config is left as saved: reward.model_path is passed, not written
+                reward.shutdown()
                 reward = RewardHandle(None, _group("reward_model", cfg.reward_model, cfg, run_dir, RewardModelWorker,
                                                    model_path=cfg.reward.model_path))
             # Sampled-token logprobs after temperature (the sampling distribution) when it is not 1.
@@ -212,7 +219,8 @@ class Roles:
         return [h for h in (self.policy, self.reference, self.critic, reward, self.rollout) if h is not None]
 
     def shutdown(self) -> None:
-        for h in self.all():
+        reward = [] if self.reward.model_group is not None else [self.reward]  # its processes, if any
+        for h in [*self.all(), *reward]:
             try:
                 h.shutdown()
             except Exception:  # noqa: BLE001 - shut the other roles down too

@@ -57,6 +57,16 @@ def test_wrong_type():
         ("rollout.n=0", ["rollout.n", ">= 1"]),
         ("algorithm.kl_kind=k9", ["algorithm.kl_kind", "k3"]),
         ("algorithm.clip_c=0.5", ["algorithm.clip_c", "> 1"]),
+        ("rollout.dtype=float64", ["rollout.dtype", "bfloat16", "auto"]),
+        ("rollout.tp=0", ["rollout.tp", ">= 1"]),
+        ("rollout.tp=3", ["rollout.tp=3", "4 attention heads"]),
+        ("rollout.max_num_seqs=0", ["rollout.max_num_seqs", ">= 1"]),
+        ("reward.on_error=ignore", ["reward.on_error", "fallback, fail"]),
+        ("reward.timeout_s=0", ["reward.timeout_s", "> 0"]),
+        ("reward.num_workers=0", ["reward.num_workers", ">= 1"]),
+        ("reward.fallback_score=nan", ["reward.fallback_score", "finite"]),
+        ("trainer.stop_grace_s=0", ["trainer.stop_grace_s", "> 0"]),
+        ("policy.optim.max_consecutive_nonfinite=0", ["policy.optim.max_consecutive_nonfinite", ">= 1"]),
     ],
 )
 def test_out_of_range(override, words):

@@ -25,14 +25,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--min-length", type=int, default=0, help="drop documents shorter than this many characters"
     )
     p.add_argument("--json-key", default="text", help="jsonl text field (default: text)")
+    p.add_argument("--force", action="store_true", help="replace an existing --output file")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     import sys
+    from pathlib import Path
 
     from rlhf.data.clean import clean_file
+    from rlhf.errors import UserError
 
+    if Path(args.output).exists() and not args.force:
+        raise UserError(f"--output {args.output} exists; give --force to replace it, or another --output")
     stats = clean_file(
         args.input, args.output, min_length=args.min_length, dedup=args.dedup, json_key=args.json_key
     )

@@ -10,6 +10,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", help="YAML preset, e.g. configs/grpo_tiny.yaml")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=5")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint (trainer.resume=auto)")
+    p.add_argument("--force", action="store_true",
+                   help="start afresh in an output folder that holds a run, after moving it to <dir>.old-<time>")
     p.add_argument("--address", help="join this Ray cluster instead of starting a local one (or set RAY_ADDRESS)")
     p.add_argument("--trust-checkpoint", action="store_true",
                    help="load checkpoints without a matching rlhf manifest (trainer.trust_checkpoint=true)")
@@ -28,6 +30,7 @@ def quiet_libraries() -> None:
 def run(args: argparse.Namespace) -> int:
     from rlhf.config import load_config
     from rlhf.driver.prepare import prepare_inputs
+    from rlhf.driver.run_dir import claim_output_dir
 
     overrides = list(args.overrides)
     if args.resume:
@@ -37,6 +40,9 @@ def run(args: argparse.Namespace) -> int:
     if args.trust_checkpoint:
         overrides.append("trainer.trust_checkpoint=true")
     cfg = load_config(args.config, overrides)
+    aside = claim_output_dir(cfg.trainer.output_dir, resume=cfg.trainer.resume == "auto", force=args.force)
+    if aside is not None:
+        print(f"moved the previous run in {cfg.trainer.output_dir} to {aside}", flush=True)
     quiet_libraries()
     cfg = prepare_inputs(cfg)  # data and model files are checked (or generated) before any worker starts
     if cfg.algorithm.name in ("sft", "pretrain"):

@@ -127,6 +127,13 @@ class DataConfig:
 class RewardConfig:
     fn: str | None = "exact_match"  # a name in algorithms.list_rewards() or "module:function"
     model_path: str | None = None  # a reward-model group instead of a function
+    # A call of reward.fn that raises, returns anything but a finite number or takes longer than timeout_s
+    # (module:function rewards run in num_workers processes): "fallback" scores it fallback_score and counts it
+    # (reward/errors, reward/timeouts); "fail" stops the run naming the function and the sample.
+    on_error: str = "fallback"  # fallback | fail
+    fallback_score: float = 0.0
+    timeout_s: float = 30.0
+    num_workers: int = 2
 
 
 @dataclass
@@ -195,6 +202,9 @@ class TrainerConfig:
     resume: str = "never"  # never | auto
     export_hf: bool = True
     timeout_s: float = 300.0  # every remote call
+    # SIGTERM / SIGINT: finish the step, checkpoint, exit 143 / 130 within this many seconds; keep it below
+    # the scheduler's kill delay (Kubernetes terminationGracePeriodSeconds, Slurm KillWait)
+    stop_grace_s: float = 120.0
     ray_address: str | None = None
     ray_num_cpus: int | None = None
     dashboard: bool = False  # embedded Ray only: start the dashboard on 127.0.0.1:8265 (about 7 s more)

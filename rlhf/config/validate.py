@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from rlhf.errors import ConfigError
 ALGORITHMS = ("grpo", "ppo", "sft", "pretrain")
 DTYPES = ("float32", "bfloat16", "float16")
 OVERLONG_PROMPTS = ("drop", "fail")  # data.overlong_prompts (rlhf.data.prompts.PromptLimit.mode)
+ROLLOUT_DTYPES = (*DTYPES, "auto")  # vLLM's "auto": the model config's torch_dtype
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,8 @@ def _check_role(name: str, role: RoleConfig, shape: ModelShape | None) -> None:
     _require(o.clip_grad >= 0, f"{name}.optim.clip_grad", "a value >= 0 (0 disables clipping)", o.clip_grad)
     _require(o.warmup_steps >= 0, f"{name}.optim.warmup_steps", "an integer >= 0", o.warmup_steps)
     _choice(o.lr_decay_style, f"{name}.optim.lr_decay_style", ("constant", "cosine", "linear"))
+    _require(o.max_consecutive_nonfinite >= 1, f"{name}.optim.max_consecutive_nonfinite", "an integer >= 1",
+             o.max_consecutive_nonfinite)
     _require(role.resources.num_cpus_per_worker >= 0, f"{name}.resources.num_cpus_per_worker", "a value >= 0",
              role.resources.num_cpus_per_worker)
     threads = role.resources.num_threads
@@ -98,6 +102,17 @@ def _check_role(name: str, role: RoleConfig, shape: ModelShape | None) -> None:
         )
     if shape.num_layers % par.pp:
         raise ConfigError(f"{name}.parallel.pp={par.pp} does not divide the {shape.num_layers} layers of {src}")
+
+
+def _check_rollout_engine(cfg: RunConfig, shape: ModelShape) -> None:
+    """The vLLM engine's settings (its own checks run only once Ray and the engine actor are up)."""
+    r = cfg.rollout
+    _choice(r.dtype, "rollout.dtype", ROLLOUT_DTYPES)
+    _require(r.tp >= 1, "rollout.tp", "an integer >= 1", r.tp)
+    _require(r.max_num_seqs >= 1, "rollout.max_num_seqs", "an integer >= 1 (sequences per engine step)",
+             r.max_num_seqs)
+    if shape.num_heads % r.tp:
+        raise ConfigError(f"rollout.tp={r.tp} does not divide the {shape.num_heads} attention heads of {shape.source}")
 
 
 def _check_rl_batches(cfg: RunConfig) -> None:
@@ -139,6 +154,7 @@ def validate_config(cfg: RunConfig) -> None:
     _choice(a.name, "algorithm.name", ALGORITHMS)
     _require(t.total_steps >= 1, "trainer.total_steps", "an integer >= 1", t.total_steps)
     _require(t.timeout_s > 0, "trainer.timeout_s", "a timeout in seconds > 0", t.timeout_s)
+    _require(t.stop_grace_s > 0, "trainer.stop_grace_s", "a grace period in seconds > 0", t.stop_grace_s)
     _choice(t.resume, "trainer.resume", ("never", "auto"))
     _require(t.save_every >= 0, "trainer.save_every", "an integer >= 0", t.save_every)
     _require(t.val_every >= 0, "trainer.val_every", "an integer >= 0", t.val_every)
@@ -171,6 +187,7 @@ def validate_config(cfg: RunConfig) -> None:
     _require(0 < r.top_p <= 1, "rollout.top_p", "a value in (0, 1]", r.top_p)
     _require(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", "-1 (off) or an integer >= 1", r.top_k)
     _require(r.kv_cache_gb > 0, "rollout.kv_cache_gb", "a size in GiB > 0", r.kv_cache_gb)
+    _check_rollout_engine(cfg, shape)
     _require(r.num_threads >= 1, "rollout.num_threads", "an integer >= 1", r.num_threads)
     _require(r.max_num_batched_tokens is None or r.max_num_batched_tokens >= 1, "rollout.max_num_batched_tokens",
              "null or an integer >= 1", r.max_num_batched_tokens)
@@ -209,6 +226,12 @@ def validate_config(cfg: RunConfig) -> None:
         raise ConfigError("reward: expected reward.fn (a rule name or module:function) or reward.model_path")
     if cfg.reward.fn and ":" not in cfg.reward.fn:
         _choice(cfg.reward.fn, "reward.fn", [*list_rewards(), "module:function"])
+    rw = cfg.reward
+    _choice(rw.on_error, "reward.on_error", ("fallback", "fail"))
+    _require(math.isfinite(rw.fallback_score), "reward.fallback_score", "a finite number", rw.fallback_score)
+    _require(rw.timeout_s > 0, "reward.timeout_s", "a timeout in seconds > 0 (per reward call)", rw.timeout_s)
+    _require(rw.num_workers >= 1, "reward.num_workers", "an integer >= 1 (processes of a module:function reward)",
+             rw.num_workers)
     _check_rl_batches(cfg)
 
 
@@ -269,7 +292,7 @@ def _check_lm_stage(cfg: RunConfig) -> None:
     from rlhf.data.checks import parse_split
     from rlhf.errors import UserError
 
-    d, t, o = cfg.data, cfg.trainer, cfg.policy.optim
+    d, t = cfg.data, cfg.trainer
     if cfg.algorithm.name == "pretrain":
         if not d.data_prefix and not d.task:
             raise ConfigError("data.data_prefix: pretraining needs Megatron indexed data ([prefix] or "
@@ -282,8 +305,6 @@ def _check_lm_stage(cfg: RunConfig) -> None:
         raise ConfigError("data.train_file: SFT needs a jsonl of conversations (messages / conversations) "
                           "or data.task")
     _require(t.eval_iters >= 0, "trainer.eval_iters", "an integer >= 0 (0 disables validation)", t.eval_iters)
-    _require(o.max_consecutive_nonfinite >= 1, "policy.optim.max_consecutive_nonfinite", "an integer >= 1",
-             o.max_consecutive_nonfinite)
     for flag in ("no_load_optim", "no_load_rng"):
         if getattr(t, flag) and not t.load:
             raise ConfigError(f"trainer.{flag} applies to trainer.load (a checkpoint to start from); "

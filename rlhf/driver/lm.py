@@ -23,13 +23,9 @@ from rlhf.driver.checkpoints import CheckpointManager, rng_state, set_rng_state
 from rlhf.driver.lm_data import LMData, build_lm_data, check_lm_inputs, tokenizer_path
 from rlhf.driver.metrics import MetricsLogger
 from rlhf.driver.scaffold import RunScaffold
-from rlhf.errors import UserError
+from rlhf.errors import NonFiniteError, UserError
 
 ROLE = "policy"
-
-
-class NonFiniteError(UserError):
-    """Too many optimizer steps in a row had a NaN/Inf gradient norm."""
 
 
 def global_batch_size(cfg: RunConfig) -> int:
@@ -129,6 +125,8 @@ class LMRun:
 
     # ---- steps --------------------------------------------------------------------------------
     def validate(self) -> dict[str, float]:
+        if self.cfg.trainer.eval_iters == 0:  # validation off (an empty batch cannot be collated)
+            return {}
         batch = self.data.val_batch(self.gbs * self.cfg.trainer.eval_iters)
         if batch is None:
             return {}
@@ -161,6 +159,7 @@ class LMRun:
             if first:
                 logger.log(0, first)
         last: dict[str, float] = {}
+        self.frame.stop_point(self.step, None)  # a signal while the workers started: nothing new to save
         while self.step < t.total_steps:
             self.step += 1
             metrics = self.train_step()
@@ -177,8 +176,10 @@ class LMRun:
                 metrics.update(self.validate())
             logger.log(self.step, metrics)
             last = metrics
-            if self.frame.due(self.step, t.save_every):
+            saved = self.frame.due(self.step, t.save_every)
+            if saved:
                 self.save()
+            self.frame.stop_point(self.step, None if saved else self.save)
         return last
 
 

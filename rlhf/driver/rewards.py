@@ -1,15 +1,19 @@
-"""Resolve the configured reward (a rule name, a `module:function`, or a reward-model group) and score batches."""
+"""Resolve the configured reward (a rule name or a `module:function`) and score batches, failures included."""
 
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from algorithms.rewards import get_reward_fn, list_rewards
-from rlhf.errors import ConfigError
+from rlhf.config.schema import RewardConfig
+from rlhf.driver.reward_pool import Outcome, RewardPool
+from rlhf.driver.reward_worker import encode
+from rlhf.errors import ConfigError, UserError
 
 RewardCallable = Callable[[Any, str, Any], float]
 
@@ -35,7 +39,61 @@ def resolve_reward_fn(spec: str) -> RewardCallable:
         ) from None
 
 
-def score_batch(fn: RewardCallable, prompts: list, responses: list[str], ground_truths: list) -> torch.Tensor:
-    """One float score per sample."""
-    return torch.tensor([float(fn(p, r, g)) for p, r, g in zip(prompts, responses, ground_truths)],
-                        dtype=torch.float32)
+class RewardError(UserError):
+    """A reward call failed (raised, returned no finite number, or timed out) with reward.on_error=fail."""
+
+
+def _short(x: Any, n: int = 60) -> str:
+    text = repr(x)
+    return text[:n] + "..." if len(text) > n else text
+
+
+class RewardScorer:
+    """Scores samples with the configured `reward.fn`. A built-in (trusted, fast) runs in this process; a
+    `module:function` runs in a `RewardPool` of processes with a per-call timeout. A call that raises, returns
+    anything but a finite number, or times out is scored `reward.fallback_score` and counted
+    (`reward/errors`, `reward/timeouts`, one warning line per batch), or with `reward.on_error=fail` stops the
+    run with one line naming the function and the sample."""
+
+    def __init__(self, rc: RewardConfig) -> None:
+        assert rc.fn
+        self.spec, self.on_error, self.fallback = rc.fn, rc.on_error, rc.fallback_score
+        self.fn = resolve_reward_fn(rc.fn)  # fails fast in the driver with the reason
+        self.pool = RewardPool(rc.fn, rc.num_workers, rc.timeout_s) if ":" in rc.fn else None
+        self.counts = {"reward/errors": 0.0, "reward/timeouts": 0.0}
+
+    def _in_process(self, sample: tuple[Any, Any, Any]) -> Outcome:
+        try:
+            reply = encode(self.fn(*sample))
+        except Exception as e:  # noqa: BLE001 - scored by reward.on_error like a user's function
+            return Outcome(kind="error", message=f"raised {type(e).__name__}: {e}")
+        return Outcome(value=reply["value"]) if "value" in reply else Outcome(kind="error", message=reply["bad"])
+
+    def score(self, prompts: list, responses: list[str], ground_truths: list) -> torch.Tensor:
+        """One float score per sample."""
+        samples = list(zip(prompts, responses, ground_truths))
+        outcomes = self.pool.score(samples) if self.pool else [self._in_process(x) for x in samples]
+        failed = [(i, o) for i, o in enumerate(outcomes) if o.value is None]
+        if failed:
+            i, first = failed[0]
+            what = (f"reward.fn {self.spec} {first.message.replace(chr(10), ' ')} on sample {i} (prompt "
+                    f"{_short(samples[i][0])}, response {_short(samples[i][1])})")
+            if self.on_error == "fail":
+                raise RewardError(f"{what}; reward.on_error=fail (reward.on_error=fallback scores such samples "
+                                  "reward.fallback_score)")
+            timeouts = sum(o.kind == "timeout" for _, o in failed)
+            self.counts["reward/errors"] += len(failed) - timeouts
+            self.counts["reward/timeouts"] += timeouts
+            print(f"warning: {len(failed)} of {len(samples)} rewards scored reward.fallback_score={self.fallback:g} "
+                  f"({len(failed) - timeouts} errors, {timeouts} timeouts); first: {what}", file=sys.stderr,
+                  flush=True)
+        return torch.tensor([self.fallback if o.value is None else o.value for o in outcomes], dtype=torch.float32)
+
+    def pop_metrics(self) -> dict[str, float]:
+        """The failures counted since the last call (`reward/errors`, `reward/timeouts`)."""
+        out, self.counts = self.counts, dict.fromkeys(self.counts, 0.0)
+        return out
+
+    def shutdown(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()

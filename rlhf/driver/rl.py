@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from rlhf.driver.checkpoints import rng_state, set_rng_state
 from rlhf.driver.context import StepContext, accuracy
 from rlhf.driver.metrics import PhaseTimer
 from rlhf.driver.scaffold import RunScaffold
+from rlhf.errors import NonFiniteError
 from rlhf.workflow import Roles
 
 StepFn = Callable[[Roles, StepContext], dict[str, float]]
@@ -48,6 +50,21 @@ def eval_tasks(cfg: RunConfig) -> Callable[[Roles], dict[str, float]] | None:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
     opts = EvalOptions(max_tokens=t.eval_max_tokens, seed=t.seed)
     return lambda roles: eval_metrics(roles.rollout.group, tokenizer, tasks, opts)
+class NonFiniteGuard:
+    """Stops a run whose policy updates keep being skipped (NaN/Inf gradient norm), as the LM runner does:
+    a step counts when every optimizer step of its policy update was skipped."""
+
+    def __init__(self, limit: int, count: int = 0) -> None:
+        self.limit, self.count = limit, count
+
+    def check(self, step: int, metrics: dict[str, float]) -> None:
+        skipped, total = metrics.get("skipped_steps", 0.0), metrics.get("num_steps", 0.0)
+        self.count = self.count + 1 if total and skipped >= total else 0
+        if self.count >= self.limit:
+            raise NonFiniteError(
+                f"stopped at step {step}: the policy update of {self.count} steps in a row was skipped for a "
+                f"NaN/Inf gradient norm (policy.optim.max_consecutive_nonfinite={self.limit}); check the rewards "
+                "and advantages or lower policy.optim.lr, then resume from the last checkpoint")
 
 
 def default_step_fn(cfg: RunConfig) -> StepFn:
@@ -75,7 +92,7 @@ def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
     with RunScaffold(cfg) as run:
         torch.manual_seed(t.seed)
         roles = run.own(Roles.create(cfg, run.out))
-        start = 0
+        start = skipped_in_a_row = 0
         resume_from = run.resume_point()
         if resume_from is not None:
             state = run.ckpt.driver_state(resume_from)
@@ -86,17 +103,25 @@ def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
             kl_ctrl.load_state_dict(state["kl_ctrl"])
             set_rng_state(state["rng"])
             start = state["step"]
+            skipped_in_a_row = int(state.get("consecutive_nonfinite", 0))
             print(f"resumed from {resume_from} at step {start}", flush=True)
         roles.rollout.sync_weights(roles.policy, verify=cfg.rollout.verify_first_sync)
         logger = run.metrics_logger(start)
         if val and start == 0:
-            logger.log(0, validate(roles, val))
+            logger.log(0, {**validate(roles, val), **roles.reward.pop_metrics()})
+        nonfinite = NonFiniteGuard(cfg.policy.optim.max_consecutive_nonfinite, skipped_in_a_row)
 
         def write_roles(tmp: Path) -> None:
             roles.policy.save(tmp / "policy")
             if roles.critic is not None:
                 roles.critic.save(tmp / "critic")
 
+        def save(step: int) -> None:
+            state = {"loader": loader.state_dict(), "kl_ctrl": kl_ctrl.state_dict(), "rng": rng_state(),
+                     "consecutive_nonfinite": nonfinite.count}
+            run.ckpt.save(step, state, write_roles)
+
+        run.stop_point(start, None)  # a signal while the roles started: nothing new to save
         for step in range(start + 1, t.total_steps + 1):
             t0 = time.perf_counter()
             ctx = StepContext(cfg, step, loader.next_batch(), kl_ctrl, loader.next_batch, PhaseTimer())
@@ -111,11 +136,14 @@ def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
                 metrics.update(validate(roles, val))
             if evals and run.due(step, t.eval_every):
                 metrics.update(evals(roles))
+            metrics.update(roles.reward.pop_metrics())
             logger.log(step, metrics)
+            nonfinite.check(step, metrics)
             last = metrics
-            if run.due(step, t.save_every):
-                state = {"loader": loader.state_dict(), "kl_ctrl": kl_ctrl.state_dict(), "rng": rng_state()}
-                run.ckpt.save(step, state, write_roles)
+            saved = run.due(step, t.save_every)
+            if saved:
+                save(step)
+            run.stop_point(step, None if saved else partial(save, step))
         if t.export_hf:
             roles.policy.export_hf(run.out / "hf", cfg.model.tokenizer_path or cfg.model.path)
     return last

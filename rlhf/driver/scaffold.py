@@ -13,6 +13,7 @@ first) and Ray when this run started it. The report is written only when the blo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
@@ -20,8 +21,11 @@ from typing import Any, Protocol, TypeVar
 from rlhf.config import RunConfig, save_config
 from rlhf.driver.checkpoints import CheckpointManager
 from rlhf.driver.metrics import MetricsLogger, wandb_args
+from rlhf.driver.preempt import StopSignals
 from rlhf.driver.ray_env import EmbeddedRay, init_ray
 from rlhf.driver.report import write_report
+from rlhf.driver.run_dir import drop_rows_after, refuse_unclaimed
+from rlhf.errors import Stopped
 
 
 class _Stoppable(Protocol):
@@ -42,8 +46,10 @@ class RunScaffold:
         self._parts: list[_Stoppable] = []
         self._tracking: dict[str, Any] | None = None
         self._own_ray: EmbeddedRay | None = None
+        self.signals = StopSignals(cfg.trainer.stop_grace_s)
 
     def __enter__(self) -> RunScaffold:
+        refuse_unclaimed(self.out, self.cfg.trainer.resume)  # `rlhf train` has moved it aside with --force
         self.out.mkdir(parents=True, exist_ok=True)
         save_config(self.cfg, self.out / "config.yaml")
         self._tracking = wandb_args(self.cfg)  # raises here, before Ray, if trainer.wandb is set without wandb
@@ -51,6 +57,7 @@ class RunScaffold:
         if latest is not None:  # refused here, before Ray, unless its files match their manifests
             self.ckpt.check_trusted(latest, self.cfg.trainer.trust_checkpoint)
         self._own_ray = init_ray(self.cfg.trainer)
+        self.signals.install()  # after ray.init, whose own SIGTERM handler would exit mid-step
         return self
 
     def own(self, part: S) -> S:
@@ -63,8 +70,10 @@ class RunScaffold:
         return self.ckpt.latest() if self.cfg.trainer.resume == "auto" else None
 
     def metrics_logger(self, start_step: int) -> MetricsLogger:
-        """The run's metric sinks (metrics.jsonl, TensorBoard, Ray gauges, progress bar, wandb)."""
+        """The run's metric sinks (metrics.jsonl, TensorBoard, Ray gauges, progress bar, wandb). Rows a
+        resumed run logged after its checkpoint at `start_step` are dropped: each step appears once."""
         t = self.cfg.trainer
+        drop_rows_after(self.out / "metrics.jsonl", start_step)
         self.logger = MetricsLogger(self.out, t.total_steps, tensorboard=t.tensorboard, progress_bar=t.progress_bar,
                                     start_step=start_step, prefix=self.cfg.algorithm.name, wandb=self._tracking)
         return self.logger
@@ -74,6 +83,15 @@ class RunScaffold:
         after the last step."""
         return step == self.cfg.trainer.total_steps or bool(every and step % every == 0)
 
+    def stop_point(self, step: int, save: Callable[[], Any] | None) -> None:
+        """At a step boundary: after SIGTERM / SIGINT, call `save` (None: `step` is already checkpointed, or
+        nothing was trained) and raise Stopped; the block's exit then releases the actors."""
+        if not self.signals.requested:
+            return
+        if save is not None:
+            save()
+        raise Stopped(f"stopped at step {step}; resume with --resume", self.signals.exit_code)
+
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         try:
@@ -82,7 +100,10 @@ class RunScaffold:
             for part in reversed(self._parts):
                 part.shutdown()
         finally:
-            if self._own_ray is not None:
-                self._own_ray.stop()
+            try:
+                if self._own_ray is not None:
+                    self._own_ray.stop()
+            finally:
+                self.signals.restore()
         if exc_type is None:
             print(write_report(self.out, title=f"{self.cfg.algorithm.name} {self.out.name}"), flush=True)

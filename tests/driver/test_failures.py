@@ -89,3 +89,4 @@ def test_killed_worker_is_reported_and_run_resumes(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"step-{last_ckpt:06d} at step {last_ckpt}" in resumed.stdout  # only the steps since it are redone
     assert _steps(run)[-2:] == [last_ckpt + 1, last_ckpt + 2]
+    assert _steps(run) == sorted(set(_steps(run)))  # the rows logged after the checkpoint were dropped

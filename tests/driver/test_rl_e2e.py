@@ -100,6 +100,7 @@ def test_resume_is_deterministic(tmp_path):
         (["data.task=null", "data.train_file=/nonexistent/prompts.jsonl"], ["/nonexistent/prompts.jsonl"]),
         (["trainer.eval_every=1", "trainer.eval_tasks=[nope]"], ["unknown task 'nope'", "humaneval"]),
         (["trainer.eval_every=1"], ["trainer.eval_tasks"]),
+        (["rollout.max_num_seqs=0"], ["rollout.max_num_seqs", ">= 1"]),  # vLLM's own check runs in the actor
     ],
 )
 def test_bad_input_fails_before_workers(tmp_path, overrides, words):

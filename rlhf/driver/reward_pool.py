@@ -1,0 +1,156 @@
+"""`RewardPool`: a user's `module:function` reward scored in separate processes, each call bounded in time.
+
+Calls run on `workers` processes at once (a slow reward does not serialize the batch). A call past
+`timeout_s` is ended by killing its process, which is replaced; a process that dies (the function exited
+or crashed) is replaced too. Requests and replies are JSON lines (rlhf/driver/reward_worker.py): nothing
+the user's code produces is unpickled in the driver.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from rlhf.errors import UserError
+
+START_TIMEOUT_S = 120.0  # importing the user's module (it may import torch) on a loaded machine
+
+
+@dataclass
+class Outcome:
+    """One sample's result: `value` (a finite float), or `kind` ("error" | "timeout") and `message`."""
+
+    value: float | None = None
+    kind: str = "ok"
+    message: str = ""
+
+
+class _Proc:
+    """One reward process and the bytes of its reply stream not yet split into lines."""
+
+    def __init__(self, spec: str) -> None:
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "rlhf.driver.reward_worker", spec, json.dumps(sys.path)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, bufsize=0)
+        assert self.popen.stdout is not None and self.popen.stdin is not None
+        self.fd = self.popen.stdout.fileno()
+        self.buf = b""
+        self.task: tuple[int, float] | None = None  # (sample index, start time) of the call in flight
+
+    def lines(self) -> list[dict[str, Any]] | None:
+        """The complete reply lines now readable; None at end of stream (the process died)."""
+        chunk = os.read(self.fd, 1 << 16)
+        if not chunk:
+            return None
+        self.buf += chunk
+        *done, self.buf = self.buf.split(b"\n")
+        return [json.loads(x) for x in done if x.strip()]
+
+    def send(self, obj: dict[str, Any]) -> bool:
+        try:
+            assert self.popen.stdin is not None
+            self.popen.stdin.write((json.dumps(obj, default=str) + "\n").encode())
+            return True
+        except (BrokenPipeError, OSError):
+            return False
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.popen.wait()
+        for f in (self.popen.stdin, self.popen.stdout):
+            if f is not None:
+                f.close()
+
+
+class RewardPool:
+    def __init__(self, spec: str, workers: int, timeout_s: float) -> None:
+        self.spec, self.workers, self.timeout_s = spec, max(1, workers), timeout_s
+        self._procs: list[_Proc] = []
+
+    def _start(self) -> _Proc:
+        """A new process, once it has imported the function; UserError (one line) if it cannot."""
+        proc = _Proc(self.spec)
+        deadline = time.monotonic() + max(START_TIMEOUT_S, self.timeout_s)
+        while True:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([proc.fd], [], [], max(0.0, left))
+            if not ready:
+                proc.kill()
+                raise UserError(f"reward.fn {self.spec}: its process did not import the function within "
+                                f"{max(START_TIMEOUT_S, self.timeout_s):g} s")
+            lines = proc.lines()
+            if lines is None:
+                code = proc.popen.wait()
+                proc.kill()
+                raise UserError(f"reward.fn {self.spec}: its process exited (code {code}) before it was ready")
+            for reply in lines:
+                if reply.get("ready"):
+                    return proc
+                proc.kill()
+                raise UserError(f"reward.fn {reply.get('error', self.spec)}")
+
+    def _replace(self, proc: _Proc) -> None:
+        proc.kill()
+        self._procs[self._procs.index(proc)] = self._start()
+
+    def score(self, samples: list[tuple[Any, Any, Any]]) -> list[Outcome]:
+        """One Outcome per `(prompt, response, ground_truth)`, in order."""
+        while len(self._procs) < min(self.workers, len(samples)):
+            self._procs.append(self._start())
+        results: list[Outcome | None] = [None] * len(samples)
+        todo = deque(range(len(samples)))
+        while todo or any(p.task for p in self._procs):
+            for proc in list(self._procs):
+                while proc.task is None and todo:
+                    i = todo.popleft()
+                    if proc.send({"i": i, "args": list(samples[i])}):
+                        proc.task = (i, time.monotonic())
+                    else:  # died between calls: give the sample to its replacement
+                        todo.appendleft(i)
+                        self._replace(proc)
+                        break
+            busy = [p for p in self._procs if p.task]
+            if not busy:
+                continue
+            wait = min(p.task[1] for p in busy if p.task) + self.timeout_s - time.monotonic()
+            readable, _, _ = select.select([p.fd for p in busy], [], [], max(0.0, wait))
+            now = time.monotonic()
+            for proc in busy:
+                assert proc.task is not None
+                i, started = proc.task
+                if proc.fd in readable:
+                    lines = proc.lines()
+                    if lines is None:
+                        code = proc.popen.wait()
+                        results[i] = Outcome(kind="error", message=f"its process exited (code {code})")
+                        proc.task = None
+                        self._replace(proc)
+                        continue
+                    for reply in lines:
+                        if reply.get("i") == i:
+                            results[i] = _outcome(reply)
+                            proc.task = None
+                elif now - started >= self.timeout_s:
+                    results[i] = Outcome(kind="timeout", message=f"took longer than reward.timeout_s={self.timeout_s:g}")
+                    proc.task = None
+                    self._replace(proc)
+        return [r if r is not None else Outcome(kind="error", message="no reply") for r in results]
+
+    def shutdown(self) -> None:
+        for proc in self._procs:
+            proc.kill()
+        self._procs = []
+
+
+def _outcome(reply: dict[str, Any]) -> Outcome:
+    if "value" in reply:
+        return Outcome(value=float(reply["value"]))
+    return Outcome(kind="error", message=str(reply.get("bad") or f"raised {reply.get('error')}"))

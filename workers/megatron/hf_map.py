@@ -70,6 +70,12 @@ def cfg_get(cfg: Any, name: str, default: Any = None) -> Any:
     return cfg.get(name, default) if isinstance(cfg, dict) else getattr(cfg, name, default)
 
 
+def num_experts(hf_config: Any) -> Any:
+    """Routed experts per MoE layer: `num_experts` (Qwen3-MoE's config.json spells it `num_local_experts`)."""
+    value = cfg_get(hf_config, "num_experts")
+    return cfg_get(hf_config, "num_local_experts") if value is None else value
+
+
 def family_of(hf_config: Any) -> Family:
     """The family of a HF config (object or dict); ValueError for unsupported types or features."""
     model_type = cfg_get(hf_config, "model_type")
@@ -95,7 +101,7 @@ def family_of(hf_config: Any) -> Family:
 
 def _check_moe_fields(hf_config: Any, fam: Family) -> None:
     """Refuse MoE config features megatron-core cannot express, naming the field."""
-    experts, topk = cfg_get(hf_config, "num_experts"), cfg_get(hf_config, "num_experts_per_tok")
+    experts, topk = num_experts(hf_config), cfg_get(hf_config, "num_experts_per_tok")
     if not isinstance(experts, int) or experts < 1:
         raise ValueError(f"config field num_experts must be a positive integer, got {experts!r}")
     if not isinstance(topk, int) or not 1 <= topk <= experts:
@@ -164,7 +170,7 @@ class Dims:
             tied=bool(cfg_get(hf_config, "tie_word_embeddings", False)),
             qkv_bias=fam.qkv_bias and bool(cfg_get(hf_config, "qkv_bias", True)),
             qk_norm=fam.qk_norm,
-            experts=cfg_get(hf_config, "num_experts") if fam.moe else 0,
+            experts=num_experts(hf_config) if fam.moe else 0,
             moe_ffn=cfg_get(hf_config, "moe_intermediate_size") if fam.moe else 0,
             shared_ffn=cfg_get(hf_config, "shared_expert_intermediate_size") if fam.shared_expert else 0,
             moe_layers=moe_layer_pattern(hf_config),

@@ -175,6 +175,20 @@ def iter_hf_weights(
             yield name, tensor if dtype is None else tensor.to(dtype)
 
 
+def yielded_hf_names(model: torch.nn.Module, hf_config: Any) -> list[str]:
+    """The HF names `iter_hf_weights` yields on this rank (this stage's tensors, every expert), in order."""
+    _, ep, _ = ep_layout()
+    names: list[str] = []
+    for b in bind(model, hf_config):
+        if b.alias:
+            continue
+        if b.expert and ep > 1:
+            names += [expert_hf_names(b, r)[i] for i in range(len(b.hf_names)) for r in range(ep)]
+        else:
+            names += b.hf_names
+    return names
+
+
 def write_hf_shards(model: torch.nn.Module, hf_config: Any, target: Callable[[str], torch.Tensor]) -> dict[str, int]:
     """Copy this rank's TP shard of every parameter into its part of the full HF tensors `target(name)`
     (not collective; see the module docstring). Replicated tensors are written by TP rank 0 only; a tied

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.megatron.cpu_compat import cuda_absent
-from workers.megatron.hf_map import cfg_get, family_of, moe_layer_pattern
+from workers.megatron.hf_map import cfg_get, family_of, moe_layer_pattern, num_experts
 from workers.megatron.masks import causal_mask, follow_mask
 from workers.megatron.value_head import ValueHead
 
@@ -76,7 +76,7 @@ def moe_config_from_hf(hf_config: Any, use_te: bool | None = None) -> dict:
     pattern = moe_layer_pattern(hf_config)
     te = use_transformer_engine() if use_te is None else use_te
     out: dict[str, Any] = dict(
-        num_moe_experts=cfg_get(hf_config, "num_experts"),
+        num_moe_experts=num_experts(hf_config),
         moe_router_topk=cfg_get(hf_config, "num_experts_per_tok"),
         moe_ffn_hidden_size=cfg_get(hf_config, "moe_intermediate_size"),
         moe_router_pre_softmax=not cfg_get(hf_config, "norm_topk_prob", False),
@@ -256,7 +256,7 @@ def check_parallel_fit(hf_config: Any, tp: int, pp: int, ep: int = 1) -> None:
     PP, or routed experts by EP."""
     fam = family_of(hf_config)
     if fam.moe:
-        experts = cfg_get(hf_config, "num_experts")
+        experts = num_experts(hf_config)
         if experts % ep:
             raise ValueError(f"num_experts={experts} is not divisible by expert parallel size {ep}")
         for field in ("moe_intermediate_size", "shared_expert_intermediate_size"):

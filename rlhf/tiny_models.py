@@ -35,7 +35,7 @@ CHAT_TEMPLATE = (
 class TinyPreset:
     """Architecture of one preset. head_dim is kept >= 32 because vLLM's CPU attention needs it."""
 
-    family: str  # "qwen2" or "llama"
+    family: str  # a HF model_type: "qwen2", "llama", "qwen3", "qwen2_moe" or "qwen3_moe"
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -58,6 +58,16 @@ PRESETS: dict[str, TinyPreset] = {
     # The arithmetic example's policy: ~0.8M parameters (hidden 128, 4 layers, GQA 4/2, tied).
     "arith-qwen2": TinyPreset("qwen2", 128, 4, 4, 2, 512, 512, tie_embeddings=True),
     # The ~30M-parameter benchmark model (hidden 512, 8 layers, head_dim 64).
+    # Qwen3 dense: per-head q/k RMSNorm, no qkv bias, head_dim 64 != hidden / heads.
+    "tiny-qwen3": TinyPreset("qwen3", 128, 2, 4, 2, 256, 512, tie_embeddings=True, extra={"head_dim": 64}),
+    # Qwen2-MoE: 4 routed experts (top-2, no renormalisation) plus a gated shared expert, untied.
+    "tiny-qwen2-moe": TinyPreset("qwen2_moe", 128, 2, 4, 2, 256, 512, tie_embeddings=False, extra={
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 128, "norm_topk_prob": False}),
+    # Qwen3-MoE: 4 routed experts (top-2, renormalised), no shared expert; layer 1 dense (mlp_only_layers).
+    "tiny-qwen3-moe": TinyPreset("qwen3_moe", 128, 2, 4, 2, 256, 512, tie_embeddings=True, extra={
+        "head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+        "norm_topk_prob": True, "mlp_only_layers": [1]}),
     "small-qwen2": TinyPreset("qwen2", 512, 8, 8, 4, 1408, 8192, tie_embeddings=True, max_position_embeddings=1024),
     # ~100M parameters, for conversion and weight-sync benchmarks.
     "base-qwen2": TinyPreset("qwen2", 768, 12, 12, 4, 2048, 8192, tie_embeddings=False, max_position_embeddings=1024),
@@ -107,7 +117,7 @@ def build_tokenizer(vocab_size: int, model_max_length: int = 512):
 
 def hf_config(preset: TinyPreset, tokenizer):
     """The transformers config of a preset, with the tokenizer's special token ids."""
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=preset.vocab_size,
@@ -128,6 +138,9 @@ def hf_config(preset: TinyPreset, tokenizer):
     )
     if preset.family == "qwen2":
         return Qwen2Config(**common)
+    moe_or_qwen3 = {"qwen3": Qwen3Config, "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig}
+    if preset.family in moe_or_qwen3:
+        return moe_or_qwen3[preset.family](**common)
     if preset.family == "llama":
         return LlamaConfig(head_dim=preset.head_dim, attention_bias=False, mlp_bias=False, **common)
     raise UserError(f"unknown model family {preset.family!r}")

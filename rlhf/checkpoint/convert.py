@@ -1,6 +1,6 @@
-"""Offline HF <-> megatron-core conversion for dense Llama / Qwen2 (validation, spawning, file layout).
+"""Offline HF <-> megatron-core conversion for the hf_map families (validation, spawning, file layout).
 
-Both directions validate everything before writing, spawn TP*PP gloo ranks on 127.0.0.1 (each holds
+Both directions validate everything before writing, spawn TP*PP*EP gloo ranks on 127.0.0.1 (each holds
 only its shard; tensors are streamed one at a time) and raise UserError for bad input. Scripts calling
 these need an `if __name__ == "__main__":` guard (spawned processes, dist_checkpointing's writer).
 """
@@ -40,7 +40,12 @@ def _load_config(folder: Path):
         raise UserError(f"cannot read {folder / 'config.json'}: {e}") from e
 
 
-def validate_hf(hf_dir: str | Path, tp: int, pp: int, dtype: str = "auto"):
+def _check_sizes(tp: int, pp: int, ep: int) -> None:
+    if tp < 1 or pp < 1 or ep < 1:
+        raise UserError(f"--tp, --pp and --ep must be >= 1 (got tp={tp}, pp={pp}, ep={ep})")
+
+
+def validate_hf(hf_dir: str | Path, tp: int, pp: int, dtype: str = "auto", ep: int = 1):
     """Check a HF folder for conversion at TP `tp`, PP `pp`; return (config, dtype name). Raises UserError
     naming the tensor or config field: family, heads / KV groups / FFN divisible by TP, layers by PP,
     every expected tensor present exactly once with the config's shape, none extra, one dtype."""
@@ -51,14 +56,13 @@ def validate_hf(hf_dir: str | Path, tp: int, pp: int, dtype: str = "auto"):
     folder = Path(hf_dir)
     if not folder.is_dir():
         raise UserError(f"HF model folder {folder} does not exist")
-    if tp < 1 or pp < 1:
-        raise UserError(f"--tp and --pp must be >= 1 (got tp={tp}, pp={pp})")
+    _check_sizes(tp, pp, ep)
     if dtype != "auto" and dtype not in _DTYPES:
         raise UserError(f"--dtype must be auto or one of {', '.join(_DTYPES)}")
     cfg = _load_config(folder)
     try:
         family_of(cfg)
-        check_parallel_fit(cfg, tp, pp)
+        check_parallel_fit(cfg, tp, pp, ep)
         with HFTensorSource(folder) as src:
             check_hf_tensors(cfg, src.shapes())
             dtypes = src.dtypes()
@@ -85,22 +89,26 @@ def hf_to_mcore(
     force: bool = False,
     dtype: str = "auto",
     timeout_s: float = 1800.0,
+    ep: int = 1,
 ) -> Path:
-    """Convert a HF folder into a converted megatron checkpoint folder (see workers.megatron.mcore_checkpoint)."""
+    """Convert a HF folder into a converted megatron checkpoint folder (see workers.megatron.mcore_checkpoint),
+    with TP*PP*EP ranks (EP splits the routed experts; the checkpoint loads at any EP)."""
     from rlhf.checkpoint.rank_fns import hf_to_mcore_rank
     from workers.megatron.launch import run_distributed
     from workers.megatron.model_provider import DEFAULT_VOCAB_DIVISOR, padded_vocab_size
 
-    cfg, dtype = validate_hf(hf_dir, tp, pp, dtype)
+    cfg, dtype = validate_hf(hf_dir, tp, pp, dtype, ep)
     padded = padded_vocab_size(cfg.vocab_size, tp, DEFAULT_VOCAB_DIVISOR)
     with staged_output_dir(out_dir, force) as tmp:  # renamed to out_dir when complete, removed on failure
-        run_distributed(hf_to_mcore_rank, tp * pp, args=(str(hf_dir), str(tmp), dtype, padded), tp=tp, pp=pp,
-                        timeout_s=timeout_s)
-        finish_mcore_checkpoint(tmp, hf_dir, cfg, tp, pp, dtype, padded)
+        run_distributed(hf_to_mcore_rank, tp * pp * ep, args=(str(hf_dir), str(tmp), dtype, padded), tp=tp, pp=pp,
+                        ep=ep, timeout_s=timeout_s)
+        finish_mcore_checkpoint(tmp, hf_dir, cfg, tp, pp, dtype, padded, ep)
     return Path(out_dir)
 
 
-def finish_mcore_checkpoint(out: Path, hf_dir: str | Path, cfg, tp: int, pp: int, dtype: str, padded: int) -> None:
+def finish_mcore_checkpoint(
+    out: Path, hf_dir: str | Path, cfg, tp: int, pp: int, dtype: str, padded: int, ep: int = 1
+) -> None:
     """After `out/model` is saved: copy the HF config and tokenizer files to `out/hf`, then write the
     metadata file (last, marking the checkpoint complete)."""
     from workers.megatron.mcore_checkpoint import HF_SUBDIR, CheckpointMeta, write_meta
@@ -108,7 +116,7 @@ def finish_mcore_checkpoint(out: Path, hf_dir: str | Path, cfg, tp: int, pp: int
 
     meta = CheckpointMeta(
         family=cfg.model_type, tp=tp, pp=pp, vocab_size=cfg.vocab_size, padded_vocab_size=padded,
-        vocab_divisible_by=DEFAULT_VOCAB_DIVISOR, dtype=dtype, tied=bool(cfg.tie_word_embeddings),
+        vocab_divisible_by=DEFAULT_VOCAB_DIVISOR, dtype=dtype, tied=bool(cfg.tie_word_embeddings), ep=ep,
     )
     with file_errors(out, "write"):
         (out / HF_SUBDIR).mkdir(exist_ok=True)
@@ -116,13 +124,14 @@ def finish_mcore_checkpoint(out: Path, hf_dir: str | Path, cfg, tp: int, pp: int
         write_meta(out, meta)
 
 
-def validate_mcore(mcore_dir: str | Path, tp: int, pp: int, trust: bool = False):
-    """Check a converted checkpoint folder can be exported at TP `tp`, PP `pp` and matches its manifest
-    (unless `trust`); return its metadata."""
+def validate_mcore(mcore_dir: str | Path, tp: int, pp: int, trust: bool = False, ep: int = 1):
+    """Check a converted checkpoint folder can be exported at TP `tp`, PP `pp`, EP `ep` and matches its
+    manifest (unless `trust`); return its metadata."""
     from workers.megatron.ckpt_manifest import UntrustedCheckpointError, check_checkpoint
     from workers.megatron.mcore_checkpoint import HF_SUBDIR, MODEL_SUBDIR, read_meta
     from workers.megatron.model_provider import check_parallel_fit
 
+    _check_sizes(tp, pp, ep)
     folder = Path(mcore_dir)
     if not folder.is_dir():
         raise UserError(f"megatron checkpoint folder {folder} does not exist")
@@ -138,7 +147,7 @@ def validate_mcore(mcore_dir: str | Path, tp: int, pp: int, trust: bool = False)
         raise UserError(str(e)) from None
     cfg = _load_config(folder / HF_SUBDIR)
     try:
-        check_parallel_fit(cfg, tp, pp)
+        check_parallel_fit(cfg, tp, pp, ep)
     except ValueError as e:
         raise UserError(str(e)) from e
     if meta.padded_vocab_size % tp:
@@ -154,6 +163,7 @@ def mcore_to_hf(
     pp: int = 1,
     timeout_s: float = 1800.0,
     trust: bool = False,
+    ep: int = 1,
 ) -> Path:
     """Export a converted megatron checkpoint to a HF folder (safetensors, config.json, tokenizer files).
     A checkpoint without a matching manifest is refused unless `trust` (see ckpt_manifest.py).
@@ -166,10 +176,10 @@ def mcore_to_hf(
     from workers.megatron.launch import run_distributed
     from workers.megatron.mcore_checkpoint import HF_SUBDIR
 
-    validate_mcore(mcore_dir, tp, pp, trust)
+    validate_mcore(mcore_dir, tp, pp, trust, ep)
     with staged_output_dir(out_dir, force) as tmp:  # renamed to out_dir when complete, removed on failure
-        results = run_distributed(mcore_to_hf_rank, tp * pp, args=(str(mcore_dir), str(tmp), trust), tp=tp, pp=pp,
-                                  timeout_s=timeout_s)
+        results = run_distributed(mcore_to_hf_rank, tp * pp * ep, args=(str(mcore_dir), str(tmp), trust), tp=tp,
+                                  pp=pp, ep=ep, timeout_s=timeout_s)
         files = {fname: names for r in results if r is not None for fname, names in [r]}
         with file_errors(tmp, "write"):
             if len(files) > 1:

@@ -30,8 +30,8 @@ def mcore_to_hf_rank(ckpt_dir: str, out_dir: str, trust: bool = False) -> tuple[
     file (written by tp rank 0, dp rank 0 of each stage). Returns (file name, tensor names) on writers."""
     from megatron.core import parallel_state
 
-    from workers.megatron.hf_map import bind, expected_hf_shapes
-    from workers.megatron.hf_weights import is_hf_weight_source, iter_hf_weights
+    from workers.megatron.hf_map import expected_hf_shapes
+    from workers.megatron.hf_weights import is_hf_weight_source, iter_hf_weights, yielded_hf_names
     from workers.megatron.mcore_checkpoint import MODEL_SUBDIR, load_hf_config, load_model, read_meta
     from workers.megatron.model_provider import build_gpt_model
     from workers.megatron.safetensors_writer import StreamingSafetensorsWriter
@@ -51,7 +51,7 @@ def mcore_to_hf_rank(ckpt_dir: str, out_dir: str, trust: bool = False) -> tuple[
     with file_errors(Path(out_dir) / fname, "write"):
         if is_hf_weight_source():
             shapes = expected_hf_shapes(cfg)
-            names = [n for b in bind(model, cfg) if not b.alias for n in b.hf_names]
+            names = yielded_hf_names(model, cfg)
             writer = StreamingSafetensorsWriter(
                 Path(out_dir) / fname, [(n, shapes[n], meta.torch_dtype) for n in names]
             )

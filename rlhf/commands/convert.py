@@ -1,4 +1,4 @@
-"""`rlhf convert`: HF <-> megatron-core checkpoint conversion (dense Llama / Qwen2)."""
+"""`rlhf convert`: HF <-> megatron-core checkpoint conversion (Llama, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     h2m.add_argument("--out", required=True, help="output folder")
     h2m.add_argument("--tp", type=int, default=1, help="tensor parallel size of the converting ranks")
     h2m.add_argument("--pp", type=int, default=1, help="pipeline parallel size of the converting ranks")
+    h2m.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE models; ranks = tp*pp*ep)")
     h2m.add_argument("--dtype", default="auto", help="auto (the weights' dtype), float32, bfloat16, float16")
     h2m.add_argument("--force", action="store_true", help="overwrite a non-empty output folder")
     h2m.set_defaults(func=run_hf_to_mcore)
@@ -24,6 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     m2h.add_argument("--out", required=True, help="output HF folder")
     m2h.add_argument("--tp", type=int, default=1, help="tensor parallel size to load the checkpoint at")
     m2h.add_argument("--pp", type=int, default=1, help="pipeline parallel size to load at (one file per stage)")
+    m2h.add_argument("--ep", type=int, default=1, help="expert parallel size to load at (MoE models)")
     m2h.add_argument("--force", action="store_true", help="overwrite a non-empty output folder")
     m2h.add_argument("--trust-checkpoint", action="store_true",
                      help="load a checkpoint without a matching rlhf manifest (its pickles can run code)")
@@ -36,8 +38,9 @@ def run_hf_to_mcore(args: argparse.Namespace) -> int:
     from rlhf.checkpoint.convert import hf_to_mcore
 
     t0 = time.monotonic()
-    out = hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, force=args.force, dtype=args.dtype)
-    print(f"wrote megatron checkpoint (tp={args.tp}, pp={args.pp}) to {out} in {time.monotonic() - t0:.1f}s")
+    out = hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, force=args.force, dtype=args.dtype,
+                      ep=args.ep)
+    print(f"wrote megatron checkpoint (tp={args.tp}, pp={args.pp}, ep={args.ep}) to {out} in {time.monotonic() - t0:.1f}s")
     return 0
 
 
@@ -47,6 +50,7 @@ def run_mcore_to_hf(args: argparse.Namespace) -> int:
     from rlhf.checkpoint.convert import mcore_to_hf
 
     t0 = time.monotonic()
-    out = mcore_to_hf(args.mcore, args.out, force=args.force, tp=args.tp, pp=args.pp, trust=args.trust_checkpoint)
+    out = mcore_to_hf(args.mcore, args.out, force=args.force, tp=args.tp, pp=args.pp, ep=args.ep,
+                      trust=args.trust_checkpoint)
     print(f"wrote HF model to {out} in {time.monotonic() - t0:.1f}s")
     return 0

@@ -139,9 +139,20 @@ def check_mcore_version(installed: str | None = None) -> None:
                            f"but megatron-core {installed} is installed")
 
 
+def _define_te_general_gemm() -> None:
+    """megatron-core 0.16.1's MoE router (`moe_utils.router_gating_linear`) tests `te_general_gemm is not
+    None`, but the name is only bound when Transformer Engine imports; without TE (CPU, or GPU without TE)
+    every MoE forward raises NameError. Bind it to None there, so the router takes its torch path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
+
+
 def apply_cpu_compat() -> bool:
     """Apply the process-wide patches when CUDA is absent, once; True when they are active."""
     global _applied
+    _define_te_general_gemm()
     if not cuda_absent():
         return False
     with _apply_lock:

@@ -1,4 +1,5 @@
-"""HF <-> megatron-core name and layout map for the dense Llama and Qwen2 families (defined once).
+"""HF <-> megatron-core name and layout map for the Llama, Qwen2, Qwen3, Qwen2-MoE and Qwen3-MoE families
+(defined once).
 
 Used by the offline converter and the live weight sync (`workers/megatron/hf_weights.py`).
 
@@ -19,6 +20,16 @@ Layouts (megatron-core GPTModel, local or TE layer spec):
   index is `layer.layer_number - 1`. The embedding lives on the first stage, final norm and output
   layer on the last. With tied embeddings and PP > 1 the last stage keeps a copy of the embedding as
   `output_layer.weight` (an alias of `model.embed_tokens.weight`: filled on load, not exported).
+- Qwen3 q/k norms: `self_attention.q_layernorm` / `k_layernorm` (RMSNorm over one head) <-> HF
+  `self_attn.q_norm` / `k_norm`, replicated.
+- MoE layers (HF `num_experts` > 0, layer i sparse unless in `mlp_only_layers` or (i+1) %
+  `decoder_sparse_step` != 0): router `mlp.router.weight` <-> `mlp.gate.weight` (replicated); expert e
+  `mlp.experts.local_experts.{e}.linear_fc1/fc2` (local or TE sequential experts) or
+  `mlp.experts.linear_fc1.weight{e}` (TE grouped GEMM) <-> HF `mlp.experts.{E}.gate_proj/up_proj/down_proj`
+  with the FC1 / row layouts of a dense MLP (experts keep TP as their tensor-parallel size). EP rank r
+  holds experts [r*E/ep, (r+1)*E/ep) numbered locally: global E = r*E/ep + e. Qwen2-MoE's shared expert
+  `mlp.shared_experts.linear_fc1/fc2` <-> `mlp.shared_expert.*`, its sigmoid gate
+  `mlp.shared_experts.gate_weight` <-> `mlp.shared_expert_gate.weight` (replicated).
 - Value head (`ValueHead`, hidden -> 1): `output_layer.weight` <-> HF `score.weight` (as in
   *ForSequenceClassification with one label), replicated over TP.
 """
@@ -40,17 +51,29 @@ class Family:
 
     name: str
     qkv_bias: bool
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    moe: bool = False  # routed experts (`mlp.experts.{E}.*`, router `mlp.gate`)
+    shared_expert: bool = False  # Qwen2-MoE's shared expert with its sigmoid gate
 
 
 FAMILIES: dict[str, Family] = {
     "llama": Family("llama", qkv_bias=False),
     "qwen2": Family("qwen2", qkv_bias=True),
+    "qwen3": Family("qwen3", qkv_bias=False, qk_norm=True),
+    "qwen2_moe": Family("qwen2_moe", qkv_bias=True, moe=True, shared_expert=True),
+    "qwen3_moe": Family("qwen3_moe", qkv_bias=False, qk_norm=True, moe=True),
 }
 
 
 def cfg_get(cfg: Any, name: str, default: Any = None) -> Any:
     """A field of a HF config given as an object or a dict."""
     return cfg.get(name, default) if isinstance(cfg, dict) else getattr(cfg, name, default)
+
+
+def num_experts(hf_config: Any) -> Any:
+    """Routed experts per MoE layer: `num_experts` (Qwen3-MoE's config.json spells it `num_local_experts`)."""
+    value = cfg_get(hf_config, "num_experts")
+    return cfg_get(hf_config, "num_local_experts") if value is None else value
 
 
 def family_of(hf_config: Any) -> Family:
@@ -60,12 +83,53 @@ def family_of(hf_config: Any) -> Family:
         raise ValueError(f"model_type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
     if model_type == "llama" and (cfg_get(hf_config, "attention_bias") or cfg_get(hf_config, "mlp_bias")):
         raise ValueError("llama configs with attention_bias or mlp_bias are not supported")
-    if model_type == "qwen2" and cfg_get(hf_config, "use_sliding_window"):
-        raise ValueError("qwen2 configs with use_sliding_window=true are not supported")
+    if model_type != "llama" and cfg_get(hf_config, "use_sliding_window"):
+        raise ValueError(f"{model_type} configs with use_sliding_window=true are not supported")
+    if model_type in ("qwen3", "qwen3_moe") and cfg_get(hf_config, "attention_bias"):
+        raise ValueError(f"{model_type} configs with attention_bias=true are not supported")
+    layer_types = cfg_get(hf_config, "layer_types") or []
+    if any(t != "full_attention" for t in layer_types):
+        raise ValueError(f"layer_types {sorted(set(layer_types))} is not supported (full_attention only)")
     act = cfg_get(hf_config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act={act!r} is not supported (silu)")
-    return FAMILIES[model_type]
+    fam = FAMILIES[model_type]
+    if fam.moe:
+        _check_moe_fields(hf_config, fam)
+    return fam
+
+
+def _check_moe_fields(hf_config: Any, fam: Family) -> None:
+    """Refuse MoE config features megatron-core cannot express, naming the field."""
+    experts, topk = num_experts(hf_config), cfg_get(hf_config, "num_experts_per_tok")
+    if not isinstance(experts, int) or experts < 1:
+        raise ValueError(f"config field num_experts must be a positive integer, got {experts!r}")
+    if not isinstance(topk, int) or not 1 <= topk <= experts:
+        raise ValueError(f"config field num_experts_per_tok={topk!r} must be in 1..num_experts={experts}")
+    step = cfg_get(hf_config, "decoder_sparse_step", 1)
+    if not isinstance(step, int) or step < 1:
+        raise ValueError(f"config field decoder_sparse_step must be a positive integer, got {step!r}")
+    for field, allowed in (("scoring_func", "softmax"), ("topk_method", "greedy")):
+        value = cfg_get(hf_config, field)
+        if value not in (None, allowed):
+            raise ValueError(f"config field {field}={value!r} is not supported (router: {allowed})")
+    if cfg_get(hf_config, "router_jitter_noise"):
+        raise ValueError("config field router_jitter_noise is not supported (must be 0)")
+    if fam.shared_expert:
+        size = cfg_get(hf_config, "shared_expert_intermediate_size")
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"config field shared_expert_intermediate_size must be a positive integer, got {size!r}")
+
+
+def moe_layer_pattern(hf_config: Any) -> tuple[bool, ...]:
+    """Per layer: True where the layer is an MoE layer (HF Qwen-MoE rule: not in `mlp_only_layers` and
+    (i+1) % `decoder_sparse_step` == 0); all False for dense families."""
+    layers = cfg_get(hf_config, "num_hidden_layers")
+    if not family_of(hf_config).moe:
+        return (False,) * layers
+    step = cfg_get(hf_config, "decoder_sparse_step", 1)
+    only_mlp = set(cfg_get(hf_config, "mlp_only_layers") or [])
+    return tuple(i not in only_mlp and (i + 1) % step == 0 for i in range(layers))
 
 
 @dataclass(frozen=True)
@@ -81,6 +145,11 @@ class Dims:
     layers: int
     tied: bool
     qkv_bias: bool
+    qk_norm: bool = False
+    experts: int = 0  # routed experts per MoE layer (0: dense)
+    moe_ffn: int = 0  # one expert's intermediate size
+    shared_ffn: int = 0  # the shared expert's intermediate size (0: none)
+    moe_layers: tuple[bool, ...] = ()  # per layer: an MoE layer
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> Dims:
@@ -99,7 +168,12 @@ class Dims:
             vocab=cfg_get(hf_config, "vocab_size"),
             layers=cfg_get(hf_config, "num_hidden_layers"),
             tied=bool(cfg_get(hf_config, "tie_word_embeddings", False)),
-            qkv_bias=fam.qkv_bias,
+            qkv_bias=fam.qkv_bias and bool(cfg_get(hf_config, "qkv_bias", True)),
+            qk_norm=fam.qk_norm,
+            experts=num_experts(hf_config) if fam.moe else 0,
+            moe_ffn=cfg_get(hf_config, "moe_intermediate_size") if fam.moe else 0,
+            shared_ffn=cfg_get(hf_config, "shared_expert_intermediate_size") if fam.shared_expert else 0,
+            moe_layers=moe_layer_pattern(hf_config),
         )
 
 
@@ -131,7 +205,22 @@ _LAYER_RULES: tuple[Rule, ...] = (
     Rule(("mlp.linear_fc1.weight",),
          ("model.layers.{L}.mlp.gate_proj.weight", "model.layers.{L}.mlp.up_proj.weight"), FC1),
     Rule(("mlp.linear_fc2.weight",), ("model.layers.{L}.mlp.down_proj.weight",), ROW),
+    Rule(("self_attention.q_layernorm.weight",), ("model.layers.{L}.self_attn.q_norm.weight",), REPLICATED),
+    Rule(("self_attention.k_layernorm.weight",), ("model.layers.{L}.self_attn.k_norm.weight",), REPLICATED),
+    Rule(("mlp.router.weight",), ("model.layers.{L}.mlp.gate.weight",), REPLICATED),
+    Rule(("mlp.shared_experts.linear_fc1.weight",),
+         ("model.layers.{L}.mlp.shared_expert.gate_proj.weight", "model.layers.{L}.mlp.shared_expert.up_proj.weight"),
+         FC1),
+    Rule(("mlp.shared_experts.linear_fc2.weight",), ("model.layers.{L}.mlp.shared_expert.down_proj.weight",), ROW),
+    Rule(("mlp.shared_experts.gate_weight",), ("model.layers.{L}.mlp.shared_expert_gate.weight",), REPLICATED),
 )
+# One routed expert's weights (`{E}`: global expert index); the megatron names are matched by _EXPERT_RE.
+_EXPERT_RULES: dict[str, Rule] = {
+    "linear_fc1": Rule(("linear_fc1",), ("model.layers.{L}.mlp.experts.{E}.gate_proj.weight",
+                                         "model.layers.{L}.mlp.experts.{E}.up_proj.weight"), FC1),
+    "linear_fc2": Rule(("linear_fc2",), ("model.layers.{L}.mlp.experts.{E}.down_proj.weight",), ROW),
+}
+_EXPERT_RE = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|(linear_fc[12])\.weight(\d+))$")
 EMBEDDING = Rule(("embedding.word_embeddings.weight",), ("model.embed_tokens.weight",), VOCAB)
 FINAL_NORM = Rule(("decoder.final_layernorm.weight",), ("model.norm.weight",), REPLICATED)
 OUTPUT = Rule(("output_layer.weight",), ("lm_head.weight",), VOCAB)
@@ -156,9 +245,28 @@ def expected_hf_shapes(hf_config: Any, value_head: bool = False) -> dict[str, tu
     }
     if d.qkv_bias:
         layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
+    if d.qk_norm:
+        layer.update({"self_attn.q_norm.weight": (d.head_dim,), "self_attn.k_norm.weight": (d.head_dim,)})
+    dense_mlp = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+    moe_layer = {k: v for k, v in layer.items() if k not in dense_mlp}
+    moe_layer["mlp.gate.weight"] = (d.experts, d.hidden)
+    for e in range(d.experts):
+        moe_layer.update({
+            f"mlp.experts.{e}.gate_proj.weight": (d.moe_ffn, d.hidden),
+            f"mlp.experts.{e}.up_proj.weight": (d.moe_ffn, d.hidden),
+            f"mlp.experts.{e}.down_proj.weight": (d.hidden, d.moe_ffn),
+        })
+    if d.shared_ffn:
+        moe_layer.update({
+            "mlp.shared_expert.gate_proj.weight": (d.shared_ffn, d.hidden),
+            "mlp.shared_expert.up_proj.weight": (d.shared_ffn, d.hidden),
+            "mlp.shared_expert.down_proj.weight": (d.hidden, d.shared_ffn),
+            "mlp.shared_expert_gate.weight": (1, d.hidden),
+        })
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (d.vocab, d.hidden)}
     for i in range(d.layers):
-        shapes.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
+        this = moe_layer if d.moe_layers[i] else layer
+        shapes.update({f"model.layers.{i}.{k}": v for k, v in this.items()})
     shapes["model.norm.weight"] = (d.hidden,)
     if value_head:
         shapes["score.weight"] = (1, d.hidden)
@@ -183,7 +291,8 @@ def check_hf_tensors(hf_config: Any, shapes: dict[str, tuple[int, ...]], value_h
         if tuple(shapes[name]) != tuple(shape):
             raise ValueError(
                 f"tensor {name} has shape {list(shapes[name])} but the config (hidden_size, num_attention_heads, "
-                f"num_key_value_heads, head_dim, intermediate_size, vocab_size) implies {list(shape)}"
+                f"num_key_value_heads, head_dim, intermediate_size, moe_intermediate_size, num_experts, "
+                f"shared_expert_intermediate_size, vocab_size) implies {list(shape)}"
             )
 
 
@@ -199,6 +308,24 @@ class Binding:
     hf_names: tuple[str, ...]
     kind: str
     alias: bool = False  # tied output layer on the last PP stage: filled on load, never exported
+    expert: tuple[str, ...] = ()  # a routed expert: `hf_names` with `{E}` left open (see `expert_hf_names`)
+    local_expert: int = 0  # its index among this EP rank's experts
+    local_experts: int = 0  # experts per EP rank
+
+
+def expert_hf_names(b: Binding, ep_rank: int) -> tuple[str, ...]:
+    """The HF names of expert `b.local_expert` of EP rank `ep_rank` (same layer, same weight)."""
+    return tuple(t.format(E=ep_rank * b.local_experts + b.local_expert) for t in b.expert)
+
+
+def ep_layout() -> tuple[int, int, Any]:
+    """(rank, size, group) of this rank's expert-parallel group (1, no group without megatron state)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 0, 1, None
+    return ps.get_expert_model_parallel_rank(), ps.get_expert_model_parallel_world_size(), \
+        ps.get_expert_model_parallel_group()
 
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -211,12 +338,25 @@ def bind(model: torch.nn.Module, hf_config: Any) -> list[Binding]:
     """
     d = Dims.from_hf(hf_config)
     is_value = isinstance(getattr(model, "output_layer", None), ValueHead)
+    ep_rank, ep, _ = ep_layout()
+    if d.experts % ep:
+        raise ValueError(f"num_experts={d.experts} is not divisible by expert parallel size {ep}")
+    per_rank = d.experts // ep
     out: list[Binding] = []
     for name, param in model.named_parameters():
         m = _LAYER_RE.match(name)
         if m:
             local, suffix = int(m.group(1)), m.group(2)
             global_idx = model.decoder.layers[local].layer_number - 1
+            em = _EXPERT_RE.match(suffix)
+            if em:
+                e = int(em.group(1) if em.group(1) is not None else em.group(4))
+                rule = _EXPERT_RULES[em.group(2) or em.group(3)]
+                templates = tuple(h.replace("{L}", str(global_idx)) for h in rule.hf)
+                hf = tuple(t.format(E=ep_rank * per_rank + e) for t in templates)
+                out.append(Binding(name, param, hf, rule.kind, expert=templates, local_expert=e,
+                                   local_experts=per_rank))
+                continue
             rule = next((r for r in _LAYER_RULES if suffix in r.mcore), None)
             if rule is None:
                 raise ValueError(f"megatron parameter {name} has no HF mapping")

@@ -3,7 +3,8 @@
 - `load_hf_weights(model, source, hf_config)`: fill this rank's shards from HF tensors, read one at a
   time (safetensors via `safe_open`, or an in-memory state dict). Not collective.
 - `iter_hf_weights(model, hf_config)`: yield (hf_name, full tensor). Collective over the TP group (one
-  all-gather per parameter): every rank of the TP group must iterate to the end, in step.
+  all-gather per parameter) and, for routed experts, over the expert-parallel group (every EP rank
+  yields every expert): every rank of the TP group must iterate to the end, in step.
   What each rank yields: the full HF tensors of ITS OWN pipeline stage (global layer indices; the
   embedding on the first stage, `model.norm` and `lm_head` / `score` on the last), identical on all
   ranks of a TP group and on all DP replicas. Consumers usually keep the output of the ranks where
@@ -31,6 +32,8 @@ from workers.megatron.hf_map import (
     Dims,
     bind,
     check_hf_tensors,
+    ep_layout,
+    expert_hf_names,
     shard_into_hf,
     to_hf,
     to_mcore_shard,
@@ -156,6 +159,7 @@ def iter_hf_weights(
     the TP group; see the module docstring for which ranks yield what). `dtype` casts the output."""
     d = Dims.from_hf(hf_config)
     _, tp, group = tp_layout()
+    _, ep, ep_group = ep_layout()
     for b in bind(model, hf_config):
         if b.alias:
             continue
@@ -165,8 +169,30 @@ def iter_hf_weights(
             torch.distributed.all_gather(shards, local.contiguous(), group=group)
         else:
             shards = [local]
-        for name, tensor in zip(b.hf_names, to_hf(b.kind, shards, d)):
+        full = to_hf(b.kind, shards, d)
+        if b.expert and ep > 1:  # the same local expert of every EP rank: each rank yields all experts
+            for i, tensor in enumerate(full):
+                parts = [torch.empty_like(tensor) for _ in range(ep)]
+                torch.distributed.all_gather(parts, tensor.contiguous(), group=ep_group)
+                for r, part in enumerate(parts):
+                    yield expert_hf_names(b, r)[i], part if dtype is None else part.to(dtype)
+            continue
+        for name, tensor in zip(b.hf_names, full):
             yield name, tensor if dtype is None else tensor.to(dtype)
+
+
+def yielded_hf_names(model: torch.nn.Module, hf_config: Any) -> list[str]:
+    """The HF names `iter_hf_weights` yields on this rank (this stage's tensors, every expert), in order."""
+    _, ep, _ = ep_layout()
+    names: list[str] = []
+    for b in bind(model, hf_config):
+        if b.alias:
+            continue
+        if b.expert and ep > 1:
+            names += [expert_hf_names(b, r)[i] for i in range(len(b.hf_names)) for r in range(ep)]
+        else:
+            names += b.hf_names
+    return names
 
 
 def write_hf_shards(model: torch.nn.Module, hf_config: Any, target: Callable[[str], torch.Tensor]) -> dict[str, int]:

@@ -37,6 +37,7 @@ class CheckpointMeta:
     dtype: str
     tied: bool
     format: str = FORMAT
+    ep: int = 1  # expert-parallel size it was saved at (any EP loads it: experts are resharded)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -1,4 +1,5 @@
-"""Build megatron-core GPT models (LM and value-head variants) from a HF Llama / Qwen2 config.
+"""Build megatron-core GPT models (LM and value-head variants) from a HF Llama / Qwen2 / Qwen3 / Qwen2-MoE /
+Qwen3-MoE config.
 
 The Transformer Engine vs local layer-spec choice is made in `use_transformer_engine()` only.
 """
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.megatron.cpu_compat import cuda_absent
-from workers.megatron.hf_map import cfg_get, family_of
+from workers.megatron.hf_map import cfg_get, family_of, moe_layer_pattern, num_experts
 from workers.megatron.masks import causal_mask, follow_mask
 from workers.megatron.value_head import ValueHead
 
@@ -25,7 +26,7 @@ def use_transformer_engine() -> bool:
     return not cuda_absent() and importlib.util.find_spec("transformer_engine") is not None
 
 
-def layer_spec(use_te: bool | None = None, mask_type: Any = None):
+def layer_spec(use_te: bool | None = None, mask_type: Any = None, qk_layernorm: bool = False):
     """The GPT layer spec: TE (fused layernorm-linear) on GPU with TE, megatron-core local otherwise.
 
     Its attention takes `mask_type` (default `arbitrary`: every batch the engine runs carries an explicit
@@ -36,11 +37,61 @@ def layer_spec(use_te: bool | None = None, mask_type: Any = None):
     from megatron.core.transformer.enums import AttnMaskType
 
     if use_transformer_engine() if use_te is None else use_te:
-        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     else:
-        spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
     spec.submodules.self_attention.params["attn_mask_type"] = mask_type or AttnMaskType.arbitrary
     return spec
+
+
+def decoder_spec(config: Any, use_te: bool | None = None, mask_type: Any = None):
+    """The layer spec for `config`: `layer_spec` for dense models; for MoE models megatron's block spec
+    (this stage's layers, dense or MoE per `moe_layer_freq`), each with the same attention mask type."""
+    if not config.num_moe_experts:
+        return layer_spec(use_te, mask_type, qk_layernorm=config.qk_layernorm)
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.enums import AttnMaskType
+
+    te = use_transformer_engine() if use_te is None else use_te
+    block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm")
+    for spec in block.layer_specs:
+        spec.submodules.self_attention.params["attn_mask_type"] = mask_type or AttnMaskType.arbitrary
+    return block
+
+
+def default_token_dispatcher() -> str:
+    """megatron's MoE token dispatcher for this machine: `alltoall` with CUDA; `allgather` on CPU, where
+    megatron-core 0.16.1's all-to-all dispatcher cannot be built (it creates a `torch.cuda.Stream`)."""
+    return "allgather" if cuda_absent() else "alltoall"
+
+
+def moe_config_from_hf(hf_config: Any, use_te: bool | None = None) -> dict:
+    """The TransformerConfig fields for the MoE part of a HF config ({} for dense families). Routing:
+    softmax over all experts then top-k (`moe_router_pre_softmax`) without `norm_topk_prob`; top-k then
+    softmax over the k (equal to renormalised top-k probabilities) with it. Training choices (load
+    balancing, aux / z loss coefficients, dispatcher) are left to the caller's overrides."""
+    fam = family_of(hf_config)
+    if not fam.moe:
+        return {}
+    pattern = moe_layer_pattern(hf_config)
+    te = use_transformer_engine() if use_te is None else use_te
+    out: dict[str, Any] = dict(
+        num_moe_experts=num_experts(hf_config),
+        moe_router_topk=cfg_get(hf_config, "num_experts_per_tok"),
+        moe_ffn_hidden_size=cfg_get(hf_config, "moe_intermediate_size"),
+        moe_router_pre_softmax=not cfg_get(hf_config, "norm_topk_prob", False),
+        moe_router_score_function="softmax",
+        moe_layer_freq=[int(x) for x in pattern],
+        moe_grouped_gemm=te,
+        moe_token_dispatcher_type=default_token_dispatcher(),
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_z_loss_coeff=None,
+    )
+    if fam.shared_expert:
+        out.update(moe_shared_expert_intermediate_size=cfg_get(hf_config, "shared_expert_intermediate_size"),
+                   moe_shared_expert_gate=True)
+    return out
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = DEFAULT_VOCAB_DIVISOR) -> int:
@@ -100,7 +151,8 @@ def transformer_config_from_hf(
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=fam.qkv_bias,
+        add_qkv_bias=fam.qkv_bias and bool(cfg_get(hf_config, "qkv_bias", True)),
+        qk_layernorm=fam.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_activation_fusion=False,
@@ -118,6 +170,7 @@ def transformer_config_from_hf(
         fp16=dtype == torch.float16,
         use_cpu_initialization=cuda_absent(),
     )
+    kwargs.update(moe_config_from_hf(hf_config))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -154,9 +207,10 @@ def build_gpt_model(
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    check_parallel_fit(hf_config, tp, pp)
+    check_parallel_fit(hf_config, tp, pp, parallel_state.get_expert_model_parallel_world_size())
     pre_process, post_process = _stage_flags(pre_process, post_process)
-    config = transformer_config_from_hf(hf_config, tp, pp, dtype, **config_overrides)
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    config = transformer_config_from_hf(hf_config, tp, pp, dtype, expert_model_parallel_size=ep, **config_overrides)
     rope = rope_settings(hf_config)
     vocab = cfg_get(hf_config, "vocab_size")
     if padded_vocab is None:
@@ -166,7 +220,7 @@ def build_gpt_model(
     tie = bool(cfg_get(hf_config, "tie_word_embeddings", False)) and not value_head
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(use_te),
+        transformer_layer_spec=decoder_spec(config, use_te),
         vocab_size=padded_vocab,
         max_sequence_length=cfg_get(hf_config, "max_position_embeddings"),
         pre_process=pre_process,
@@ -197,8 +251,20 @@ def build_gpt_model(
     return model
 
 
-def check_parallel_fit(hf_config: Any, tp: int, pp: int) -> None:
-    """Raise ValueError naming the field when heads, KV groups or FFN size do not divide by TP or layers by PP."""
+def check_parallel_fit(hf_config: Any, tp: int, pp: int, ep: int = 1) -> None:
+    """Raise ValueError naming the field when heads, KV groups or FFN sizes do not divide by TP, layers by
+    PP, or routed experts by EP."""
+    fam = family_of(hf_config)
+    if fam.moe:
+        experts = num_experts(hf_config)
+        if experts % ep:
+            raise ValueError(f"num_experts={experts} is not divisible by expert parallel size {ep}")
+        for field in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+            size = cfg_get(hf_config, field)
+            if isinstance(size, int) and size % tp:
+                raise ValueError(f"{field}={size} is not divisible by tensor parallel size {tp}")
+    elif ep > 1:
+        raise ValueError(f"expert parallel size {ep} needs an MoE model; model_type {fam.name!r} has no experts")
     heads = cfg_get(hf_config, "num_attention_heads")
     groups = cfg_get(hf_config, "num_key_value_heads") or heads
     layers = cfg_get(hf_config, "num_hidden_layers")

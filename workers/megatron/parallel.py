@@ -26,8 +26,12 @@ def init_distributed(
     backend: str | None = None,
     timeout_s: float = 300.0,
     seed: int = 1234,
+    ep: int = 1,
 ) -> None:
     """Initialise torch.distributed and megatron parallel_state (TP, PP given; DP = world / (TP*PP)).
+
+    `ep` is the expert-parallel size; expert layers keep TP as their tensor-parallel size, so megatron
+    needs world % (TP*EP*PP) == 0, i.e. EP divides DP (see `ep_fit_error`).
 
     On CPU applies the compatibility layer first (and enters its device mode in this thread). Seeds the
     megatron RNG tracker with `model_parallel_cuda_manual_seed(seed)`. Raises ValueError when the world
@@ -37,6 +41,9 @@ def init_distributed(
         raise ValueError(f"tp and pp must be >= 1, got tp={tp} pp={pp}")
     if world_size % (tp * pp) != 0:
         raise ValueError(f"world size {world_size} is not divisible by tp*pp = {tp}*{pp}")
+    err = ep_fit_error(world_size, tp, pp, ep)
+    if err:
+        raise ValueError(err)
     apply_cpu_compat()
     from megatron.core import parallel_state, tensor_parallel
 
@@ -57,9 +64,24 @@ def init_distributed(
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
         distributed_timeout_minutes=max(1, int(timeout_s // 60)),
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+def ep_fit_error(world_size: int, tp: int, pp: int, ep: int) -> str | None:
+    """Why expert parallelism `ep` does not fit this world, or None. megatron-core 0.16.1 lays expert
+    layers out as expert-TP (= TP) x EP x expert-DP x PP over the same ranks, so world_size must be a
+    multiple of TP*EP*PP: EP splits the data-parallel ranks (DP = world / (TP*PP))."""
+    if ep < 1:
+        return f"ep must be >= 1, got {ep}"
+    if world_size % (tp * ep * pp):
+        dp = world_size // (tp * pp) if world_size % (tp * pp) == 0 else world_size / (tp * pp)
+        return (f"expert parallel size {ep} does not divide the data-parallel size: world {world_size} = "
+                f"tp {tp} x pp {pp} x dp {dp}, and megatron needs world % (tp*ep*pp) = "
+                f"{world_size} % {tp * ep * pp} == 0")
+    return None
 
 
 def destroy_distributed() -> None:

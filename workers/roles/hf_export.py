@@ -26,18 +26,18 @@ def _write_stage(engine: Any, out: Path) -> tuple[str, list[str]] | None:
     """This rank's part: stream its stage's HF tensors into a file when it is the stage's writer."""
     from megatron.core import parallel_state as ps
 
-    from workers.megatron.hf_map import bind, expected_hf_shapes
-    from workers.megatron.hf_weights import is_hf_weight_source, iter_hf_weights
+    from workers.megatron.hf_map import expected_hf_shapes
+    from workers.megatron.hf_weights import is_hf_weight_source, iter_hf_weights, yielded_hf_names
     from workers.megatron.safetensors_writer import StreamingSafetensorsWriter
 
     cfg, model = engine.hf_config, engine.module
     fname = stage_file_name(ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size())
     if not is_hf_weight_source():
-        for _ in iter_hf_weights(model, cfg):  # the TP gathers are collective: iterate in step
+        for _ in iter_hf_weights(model, cfg):  # the TP / EP gathers are collective: iterate in step
             pass
         return None
     shapes = expected_hf_shapes(cfg)
-    names = [n for b in bind(model, cfg) if not b.alias for n in b.hf_names]
+    names = yielded_hf_names(model, cfg)
     with StreamingSafetensorsWriter(out / fname, [(n, shapes[n], engine.dtype) for n in names]) as writer:
         for name, tensor in iter_hf_weights(model, cfg):
             writer.write(name, tensor.to(engine.dtype))

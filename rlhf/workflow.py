@@ -22,29 +22,26 @@ from typing import Any
 from rlhf.config.schema import RoleConfig, RunConfig
 from rlhf.driver.rewards import resolve_reward_fn, score_batch
 from workers.batch import Batch
+from workers.config import build
+from workers.roles.loss_config import PPOLossConfig, ValueLossConfig
 
 
-def loss_config(cfg: RunConfig) -> dict[str, Any]:
-    """What the policy's train step needs from the algorithm section (workers.roles.PPOLossConfig)."""
+def loss_config(cfg: RunConfig) -> PPOLossConfig:
+    """The policy's loss settings from the algorithm section; KL is in the reward, not the loss, when
+    algorithm.kl_in_reward."""
     a = cfg.algorithm
-    return {
-        "clip_low": a.clip_low, "clip_high": a.clip_high, "clip_c": a.clip_c, "agg_mode": a.loss_agg_mode,
-        "entropy_coef": a.entropy_coef, "kl_coef": 0.0 if a.kl_in_reward else a.kl_coef, "kl_kind": a.kl_kind,
-        "ppo_epochs": a.ppo_epochs, "mini_batches": a.mini_batches, "temperature": sampling_temperature(cfg),
-    }
+    return build(PPOLossConfig, a, kl_coef=0.0 if a.kl_in_reward else a.kl_coef)
+
+
+def value_loss_config(cfg: RunConfig) -> ValueLossConfig:
+    """The critic's loss settings from the algorithm section."""
+    return build(ValueLossConfig, cfg.algorithm)
 
 
 def sampling_temperature(cfg: RunConfig) -> float:
     """The temperature the policy's log-probs are taken at: the rollout's (1 for greedy rollouts), so the
     importance ratios compare the distribution the responses were sampled from."""
     return cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
-
-
-def value_loss_config(cfg: RunConfig) -> dict[str, Any]:
-    """What the critic's train step needs (workers.roles.ValueLossConfig)."""
-    a = cfg.algorithm
-    return {"value_clip": a.value_clip, "agg_mode": a.loss_agg_mode, "ppo_epochs": a.ppo_epochs,
-            "mini_batches": a.mini_batches}
 
 
 def _group(role: str, rc: RoleConfig, cfg: RunConfig, run_dir: Path, worker_cls: type, pool=None,
@@ -83,8 +80,9 @@ class PolicyHandle:
             batch["entropy"] = out["entropy"]
         return batch
 
-    def train(self, batch: Batch, loss: dict[str, Any]) -> dict[str, float]:
-        return self.group.train_step(batch, loss)
+    def train(self, batch: Batch, loss: PPOLossConfig | dict[str, Any]) -> dict[str, float]:
+        """One PPO update with `loss_config(cfg)`, log-probs at the rollout's temperature."""
+        return self.group.train_step(batch, loss, temperature=self.temperature)
 
     def save(self, path: Path) -> None:
         self.group.save_checkpoint(str(path))
@@ -101,6 +99,10 @@ class PolicyHandle:
 
 
 class CriticHandle(PolicyHandle):
+    def train(self, batch: Batch, loss: ValueLossConfig | dict[str, Any]) -> dict[str, float]:  # type: ignore[override]
+        """One value update with `value_loss_config(cfg)`."""
+        return self.group.train_step(batch, loss)
+
     def values(self, batch: Batch) -> Batch:
         out = self.group.compute_values(batch.select(["input_ids", "attention_mask", "responses", "response_mask"]))
         batch["values"] = out["values"]
@@ -183,11 +185,12 @@ class Roles:
                                                    model_path=cfg.reward.model_path))
             # Sampled-token logprobs after temperature (the sampling distribution) when it is not 1.
             mode = "raw_logprobs" if temp == 1.0 else "processed_logprobs"
-            engine = EngineConfig.from_config(cfg.rollout, model_path=cfg.model.path,
-                                              tokenizer_path=cfg.model.tokenizer_path, logprobs_mode=mode)
+            r = cfg.rollout
+            engine = build(EngineConfig, r, model_path=cfg.model.path, tokenizer_path=cfg.model.tokenizer_path,
+                           logprobs_mode=mode).validate()
             group = RolloutGroup(engine, timeout_s=cfg.trainer.timeout_s, name="rollout", log_dir=run_dir / "logs")
-            handles["rollout"] = RolloutHandle(group, SamplingConfig.from_config(cfg.rollout),
-                                               SyncConfig.from_config(cfg.rollout, timeout_s=cfg.trainer.timeout_s))
+            handles["rollout"] = RolloutHandle(group, build(SamplingConfig, r).validate(),
+                                               build(SyncConfig, r, timeout_s=cfg.trainer.timeout_s))
         except BaseException:
             for h in [*handles.values(), reward]:
                 h.shutdown()

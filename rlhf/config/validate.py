@@ -16,6 +16,8 @@ from pathlib import Path
 from algorithms import AGG_MODES, KL_CONTROLLERS, KL_KINDS, list_advantage_estimators, list_rewards
 from rlhf.config.schema import RoleConfig, RunConfig, TrainerConfig
 from rlhf.errors import ConfigError
+from workers.config import build
+from workers.rollout.sampling import SamplingConfig
 
 ALGORITHMS = ("grpo", "ppo", "sft", "pretrain")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -158,16 +160,20 @@ def validate_config(cfg: RunConfig) -> None:
         _check_lm_stage(cfg)
         return
     # RL
-    _require(r.n >= 1, "rollout.n", "an integer >= 1 (samples per prompt)", r.n)
-    _require(r.max_tokens >= 1, "rollout.max_tokens", "an integer >= 1", r.max_tokens)
-    _require(r.temperature >= 0, "rollout.temperature", "a value >= 0", r.temperature)
-    _require(0 < r.top_p <= 1, "rollout.top_p", "a value in (0, 1]", r.top_p)
-    _require(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", "-1 (off) or an integer >= 1", r.top_k)
+    try:
+        build(SamplingConfig, r).validate()
+    except ValueError as e:  # "SamplingConfig.top_p=0 is invalid: ..." names the rollout key
+        raise ConfigError(str(e).replace("SamplingConfig.", "rollout.", 1)) from None
     _require(r.kv_cache_gb > 0, "rollout.kv_cache_gb", "a size in GiB > 0", r.kv_cache_gb)
-    _require(r.num_threads >= 1, "rollout.num_threads", "an integer >= 1", r.num_threads)
+    _require(r.num_threads is None or r.num_threads >= 1, "rollout.num_threads", "null or an integer >= 1",
+             r.num_threads)
     _require(r.max_num_batched_tokens is None or r.max_num_batched_tokens >= 1, "rollout.max_num_batched_tokens",
              "null or an integer >= 1", r.max_num_batched_tokens)
     _require(r.sync_bucket_mb > 0, "rollout.sync_bucket_mb", "a size in MB > 0", r.sync_bucket_mb)
+    if r.sync_transport is not None:
+        from workers.rollout.registry import TRANSPORTS
+
+        _choice(r.sync_transport, "rollout.sync_transport", [*TRANSPORTS, "null (chosen per machine)"])
     if r.zero_copy_weights:
         import torch
 

@@ -15,10 +15,9 @@ from algorithms import value_loss
 from workers.batch import Batch
 from workers.config import build
 from workers.dispatch import DP_COMPUTE, register, split_by_minibatch
-from workers.megatron.engine import Micro
 from workers.roles.base import MegatronWorker
 from workers.roles.loss_config import ValueLossConfig
-from workers.roles.micro import join_outputs, pad_right, response_micros, response_slice
+from workers.roles.micro import forward_responses
 from workers.roles.optimize import Metrics, optimize_responses
 
 
@@ -28,26 +27,7 @@ class CriticWorker(MegatronWorker):
     @register(DP_COMPUTE)
     def compute_values(self, batch: Batch, micro_batch_size: int | None = None) -> Batch:
         """`values` [B, R] for the response positions (0 at padding)."""
-        eng = self.engine
-        r = batch["responses"].shape[1]
-        micros = response_micros(batch, micro_batch_size or self.micro_batch_size, ["responses"], eng.device,
-                                 pack=self.pack_sequences)
-
-        def loss_fn(mb: Micro, out: torch.Tensor):
-            sl, _ = response_slice(mb, out)
-            data = {"values": pad_right(sl[..., 0].float().cpu(), r)}
-            if "_index" in mb.fields:
-                data["_index"] = mb.fields["_index"]
-            return torch.zeros((), device=out.device), data
-
-        with self.onloaded():
-            outs = eng.forward_backward(micros, loss_fn, forward_only=True)
-        if not outs:
-            return Batch()
-        values = join_outputs(outs, "values")
-        if "response_mask" in batch:
-            values = values * batch["response_mask"].to(values.dtype)
-        return Batch({"values": values})
+        return forward_responses(self, batch, micro_batch_size, lambda out, _: {"values": out[..., 0]})
 
     @register(DP_COMPUTE, pad=False, split=split_by_minibatch())
     def train_step(self, batch: Batch, loss_config: dict[str, Any] | ValueLossConfig | None = None,

@@ -21,7 +21,7 @@ from workers.roles.base import MegatronWorker
 from workers.roles.lm import LMMixin
 from workers.roles.logits import vocab_parallel_logprobs
 from workers.roles.loss_config import PPOLossConfig
-from workers.roles.micro import join_outputs, pad_right, response_micros, response_slice
+from workers.roles.micro import forward_responses
 from workers.roles.optimize import Metrics, optimize_responses
 from workers.roles.weights import put_buckets
 from workers.rollout.policy_mixin import RolloutSyncMixin
@@ -32,31 +32,13 @@ class LogprobMixin:
 
     def _logprob_pass(self, batch: Batch, with_entropy: bool, key: str, micro_batch_size: int | None,
                       temperature: float = 1.0) -> Batch:
-        eng = self.engine
-        r = batch["responses"].shape[1]
-        micros = response_micros(batch, micro_batch_size or self.micro_batch_size, ["responses"], eng.device,
-                                 pack=self.pack_sequences)
-
-        def loss_fn(mb: Micro, logits: torch.Tensor):
-            sl, _ = response_slice(mb, logits)
+        def outputs(sl: torch.Tensor, mb: Micro) -> dict[str, torch.Tensor]:
             labels = mb.fields["responses"][:, : sl.shape[1]]
-            logp, ent = vocab_parallel_logprobs(scale_logits(sl, temperature), labels, eng.vocab_size, with_entropy)
-            data = {key: pad_right(logp.float().cpu(), r)}
-            if with_entropy:
-                data["entropy"] = pad_right(ent.float().cpu(), r)
-            if "_index" in mb.fields:
-                data["_index"] = mb.fields["_index"]
-            return torch.zeros((), device=logits.device), data
+            logp, ent = vocab_parallel_logprobs(scale_logits(sl, temperature), labels, self.engine.vocab_size,
+                                                with_entropy)
+            return {key: logp, "entropy": ent} if with_entropy else {key: logp}
 
-        with self.onloaded():
-            outs = eng.forward_backward(micros, loss_fn, forward_only=True)
-        if not outs:
-            return Batch()
-        tensors = {k: join_outputs(outs, k) for k in outs[0] if k != "_index"}
-        mask = batch["response_mask"].to(torch.float32) if "response_mask" in batch else None
-        if mask is not None:
-            tensors = {k: v * mask for k, v in tensors.items()}
-        return Batch(tensors)
+        return forward_responses(self, batch, micro_batch_size, outputs)
 
 
 class PolicyWorker(RolloutSyncMixin, LogprobMixin, LMMixin, MegatronWorker):

@@ -209,9 +209,6 @@ class RolloutWorker:
             **_where(),
         }
 
-    def ping(self) -> int:
-        return self.rank
-
     def shutdown(self) -> None:
         """Release the engine (in-process use); safe to call twice."""
         if getattr(self, "llm", None) is not None:

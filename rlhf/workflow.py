@@ -15,7 +15,7 @@ The built-in GRPO and PPO steps (`rlhf.driver.grpo`, `rlhf.driver.ppo`) are writ
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from rlhf.config.schema import RoleConfig, RunConfig
 from rlhf.driver.rewards import resolve_reward_fn, score_batch
 from workers.batch import Batch
 from workers.config import build
+from workers.megatron.optim_config import OptimSettings
 from workers.roles.loss_config import PPOLossConfig, ValueLossConfig
 
 
@@ -44,26 +45,24 @@ def sampling_temperature(cfg: RunConfig) -> float:
     return cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
 
 
-def _group(role: str, rc: RoleConfig, cfg: RunConfig, run_dir: Path, worker_cls: type, pool=None,
-           model_path: str | None = None, **init: Any):
-    """The role's worker group; `model_path` (else the role's, else the run's model) is the HF folder it loads."""
+def role_group(role: str, rc: RoleConfig, cfg: RunConfig, run_dir: Path, worker_cls: type,
+               optimizer_steps: int | None = None, pool=None, model_path: str | None = None, **init: Any):
+    """The role's worker group; `model_path` (else the role's, else the run's model) is the HF folder it
+    loads; its LR schedule spans `optimizer_steps` (default: the RL run's, one per mini-batch per PPO epoch
+    per RL step)."""
     from workers.group import WorkerGroup
 
-    par = rc.parallel
+    par, a = rc.parallel, cfg.algorithm
+    steps = optimizer_steps or max(1, cfg.trainer.total_steps * a.ppo_epochs * a.mini_batches)
     return WorkerGroup(
         role=role, worker_cls=worker_cls, tp=par.tp, pp=par.pp, dp=par.dp,
         num_cpus_per_worker=rc.resources.num_cpus_per_worker, num_gpus_per_worker=rc.resources.num_gpus_per_worker,
         timeout_s=cfg.trainer.timeout_s, log_dir=run_dir / "logs", seed=cfg.trainer.seed, resource_pool=pool,
         num_threads=rc.resources.num_threads,
         init_kwargs={"model_path": model_path or rc.model_path or cfg.model.path, "micro_batch_size": rc.micro_batch_size,
-                     "dtype": rc.dtype, "offload": rc.offload,
-                     "optim": {**asdict(rc.optim), "total_steps": _optimizer_steps(cfg)}, **init},
+                     "dtype": rc.dtype, "offload": rc.offload, "optim": build(OptimSettings, rc.optim, total_steps=steps),
+                     **init},
     )
-
-
-def _optimizer_steps(cfg: RunConfig) -> int:
-    """Optimizer steps the LR schedule spans: one per mini-batch per PPO epoch per RL step."""
-    return max(1, cfg.trainer.total_steps * cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches)
 
 
 class PolicyHandle:
@@ -172,16 +171,16 @@ class Roles:
         run_dir = Path(run_dir)
         reward = RewardHandle(cfg.reward.fn)  # resolve before any worker starts
         temp = sampling_temperature(cfg)
-        policy = PolicyHandle(_group("policy", cfg.policy, cfg, run_dir, PolicyWorker), temp)
+        policy = PolicyHandle(role_group("policy", cfg.policy, cfg, run_dir, PolicyWorker), temp)
         handles: dict[str, Any] = {"policy": policy}
         try:
             if cfg.algorithm.kl_coef > 0 and cfg.reference.enabled:
-                handles["reference"] = PolicyHandle(_group("reference", cfg.reference, cfg, run_dir, ReferenceWorker),
+                handles["reference"] = PolicyHandle(role_group("reference", cfg.reference, cfg, run_dir, ReferenceWorker),
                                                     temp)
             if cfg.critic.enabled:
-                handles["critic"] = CriticHandle(_group("critic", cfg.critic, cfg, run_dir, CriticWorker))
+                handles["critic"] = CriticHandle(role_group("critic", cfg.critic, cfg, run_dir, CriticWorker))
             if cfg.reward.model_path:  # the config is left as saved: reward.model_path is passed, not written
-                reward = RewardHandle(None, _group("reward_model", cfg.reward_model, cfg, run_dir, RewardModelWorker,
+                reward = RewardHandle(None, role_group("reward_model", cfg.reward_model, cfg, run_dir, RewardModelWorker,
                                                    model_path=cfg.reward.model_path))
             # Sampled-token logprobs after temperature (the sampling distribution) when it is not 1.
             mode = "raw_logprobs" if temp == 1.0 else "processed_logprobs"

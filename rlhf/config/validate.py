@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 from algorithms import AGG_MODES, KL_CONTROLLERS, KL_KINDS, list_advantage_estimators, list_rewards
 from rlhf.config.schema import RoleConfig, RunConfig, TrainerConfig
 from rlhf.errors import ConfigError
-from workers.config import build
+from workers.rollout.config import EngineOptions
 from workers.rollout.sampling import SamplingConfig
 
 ALGORITHMS = ("grpo", "ppo", "sft", "pretrain")
@@ -160,15 +161,11 @@ def validate_config(cfg: RunConfig) -> None:
         _check_lm_stage(cfg)
         return
     # RL
-    try:
-        build(SamplingConfig, r).validate()
-    except ValueError as e:  # "SamplingConfig.top_p=0 is invalid: ..." names the rollout key
-        raise ConfigError(str(e).replace("SamplingConfig.", "rollout.", 1)) from None
-    _require(r.kv_cache_gb > 0, "rollout.kv_cache_gb", "a size in GiB > 0", r.kv_cache_gb)
-    _require(r.num_threads is None or r.num_threads >= 1, "rollout.num_threads", "null or an integer >= 1",
-             r.num_threads)
-    _require(r.max_num_batched_tokens is None or r.max_num_batched_tokens >= 1, "rollout.max_num_batched_tokens",
-             "null or an integer >= 1", r.max_num_batched_tokens)
+    for check in (SamplingConfig.validate, EngineOptions.validate_engine):  # the rollout's own checks
+        try:
+            check(r)
+        except ValueError as e:  # "SamplingConfig.top_p=0 is invalid: ...": name the rollout key instead
+            raise ConfigError(re.sub(r"^\w+\.", "rollout.", str(e))) from None
     _require(r.sync_bucket_mb > 0, "rollout.sync_bucket_mb", "a size in MB > 0", r.sync_bucket_mb)
     if r.sync_transport is not None:
         from workers.rollout.registry import TRANSPORTS

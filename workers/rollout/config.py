@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+DTYPES = ("float32", "bfloat16", "float16", "auto")
 
 
 @dataclass(kw_only=True)
@@ -26,6 +27,16 @@ class EngineOptions:
     # CPU: torch threads of the engine process. 1 is vLLM's serving default: decode is many small ops and
     # OpenMP workers spin-waiting between them cost more than extra cores gain (10x on a busy machine).
     num_threads: int | None = 1
+
+    def validate_engine(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        checks = (("dtype", self.dtype in DTYPES, f"one of {', '.join(DTYPES)}"), ("tp", self.tp >= 1, ">= 1"),
+                  ("kv_cache_gb", self.kv_cache_gb > 0, "> 0"), ("max_num_seqs", self.max_num_seqs >= 1, ">= 1"),
+                  ("max_num_batched_tokens", (self.max_num_batched_tokens or 1) >= 1, "None or >= 1"),
+                  ("num_threads", (self.num_threads or 1) >= 1, "None or >= 1"))
+        for name, ok, expected in checks:
+            if not ok:
+                raise ValueError(f"{type(self).__name__}.{name}={getattr(self, name)!r} must be {expected}")
 
 
 @dataclass(kw_only=True)
@@ -51,20 +62,10 @@ class EngineConfig(EngineOptions):
     extra: dict[str, Any] = field(default_factory=dict)  # passed to vllm.LLM as is
 
     def validate(self) -> EngineConfig:
-        if self.tp < 1:
-            raise ValueError(f"EngineConfig.tp={self.tp} must be >= 1")
-        if self.kv_cache_gb <= 0:
-            raise ValueError(f"EngineConfig.kv_cache_gb={self.kv_cache_gb} must be > 0")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"EngineConfig.max_num_seqs={self.max_num_seqs} must be >= 1")
+        self.validate_engine()
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"EngineConfig.logprobs_mode={self.logprobs_mode!r} must be one of {LOGPROBS_MODES}")
-        if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
-            raise ValueError(f"EngineConfig.dtype={self.dtype!r} must be float32, bfloat16, float16 or auto")
         return self
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -55,9 +55,6 @@ class SamplingConfig:
     def with_(self, **changes: Any) -> SamplingConfig:
         """A validated copy with `changes` applied."""
         return replace(self, **changes).validate()
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
     def to_vllm(self, seed: int | None = None, logprobs: bool = True):
         """The vLLM `SamplingParams` for one prompt (n samples); `seed` overrides self.seed."""

@@ -90,7 +90,7 @@ def bench_scale(scale: str, path: str, reps: int, work: str) -> tuple[float, flo
 
     seqs = len(msgs) * n
     cfg = EngineConfig(
-        path, dtype=dtype,
+        model_path=path, dtype=dtype,
         # One thread, vLLM's own serving default: a decode step is many small ops, and OpenMP workers
         # spin-waiting between them cost more than two cores gain (10x slower measured on a loaded machine).
         num_threads=1,

@@ -94,7 +94,7 @@ def run_both(path: str, batch: Batch, micro: int, steps: int, threads: int, lr: 
             try:
                 for i in range(steps + 1):
                     t0 = time.perf_counter()
-                    m = group.train_step(batch, {"micro_batch_size": micro})
+                    m = group.train_step(batch, micro_batch_size=micro)
                     t1, c1 = time.perf_counter(), time.process_time()
                     hf_step(model, opt, batch, micro, clip=1.0)
                     t2, c2 = time.perf_counter(), time.process_time()

@@ -88,14 +88,14 @@ def main() -> None:
         policy = WorkerGroup("policy", PolicyWorker, tp=args.tp, name="bench-sync-policy",
                              num_cpus_per_worker=0.5, timeout_s=600, log_dir=str(root / "logs"),
                              init_kwargs={"model_path": path, "micro_batch_size": 2})
-        rollout = RolloutGroup(EngineConfig(path, dtype=args.dtype, kv_cache_gb=0.25, max_num_seqs=64, num_cpus=0,
+        rollout = RolloutGroup(EngineConfig(model_path=path, dtype=args.dtype, kv_cache_gb=0.25, max_num_seqs=64, num_cpus=0,
                                             num_threads=2, work_dir=str(root / "work")))
         modes = {"default": False}
         if not args.no_zero_copy and args.transport != "gloo":
             modes["zero_copy"] = True
         for mode, zero_copy in modes.items():
-            cfg = SyncConfig(bucket_mb=args.bucket_mb, timeout_s=300, transport=args.transport,
-                             direct_load=not args.no_direct_load, zero_copy=zero_copy)
+            cfg = SyncConfig(sync_bucket_mb=args.bucket_mb, timeout_s=300, sync_transport=args.transport,
+                             direct_load=not args.no_direct_load, zero_copy_weights=zero_copy)
             first = rollout.sync_weights(policy, cfg)  # verified against the policy's logprobs
             runs = [rollout.sync_weights(policy, cfg, verify=False) for _ in range(args.reps)]
             results[mode] = (first, runs, rollout._syncers[id(policy)].transport.name, decode_rate(rollout))

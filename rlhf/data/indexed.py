@@ -90,9 +90,3 @@ def open_indexed(prefix: str | Path):
         raise UserError(f"data prefix {prefix} has zero tokens ({bin_path} is empty)")
     return megatron_indexed().IndexedDataset(str(prefix), mmap=True)
 
-
-def count_tokens(prefix: str | Path) -> tuple[int, int]:
-    """(number of sequences, total tokens) of an indexed dataset, from its index only."""
-    ds = open_indexed(prefix)
-    lengths = np.array(ds.sequence_lengths, dtype=np.int64)  # copy before ds (and its mmap) goes away
-    return int(lengths.shape[0]), int(lengths.sum())

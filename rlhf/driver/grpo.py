@@ -45,8 +45,12 @@ def generate_and_score(roles: Roles, ctx: StepContext) -> Batch:
     return kept.index(slice(0, wanted)) if len(kept) else batch
 
 
-def old_logprobs(roles: Roles, batch: Batch, ctx: StepContext) -> Batch:
-    """The behaviour policy's logprobs: recomputed by the policy, or the engine's sampled-token logprobs."""
+def add_logprobs(roles: Roles, batch: Batch, ctx: StepContext) -> Batch:
+    """The reference's logprobs (when there is one) and the behaviour policy's: recomputed by the policy,
+    or the engine's sampled-token logprobs."""
+    if roles.reference is not None:
+        with ctx.phase("reference"):
+            batch = roles.reference.logprobs(batch, key="ref_logprobs")
     if ctx.cfg.algorithm.old_logprobs == "rollout":
         batch["old_logprobs"] = batch["rollout_logprobs"]
         return batch
@@ -57,10 +61,7 @@ def old_logprobs(roles: Roles, batch: Batch, ctx: StepContext) -> Batch:
 def grpo_step(roles: Roles, ctx: StepContext) -> dict[str, float]:
     cfg = ctx.cfg
     batch = generate_and_score(roles, ctx)
-    if roles.reference is not None:
-        with ctx.phase("reference"):
-            batch = roles.reference.logprobs(batch, key="ref_logprobs")
-    batch = old_logprobs(roles, batch, ctx)
+    batch = add_logprobs(roles, batch, ctx)
     with ctx.phase("advantages"):
         batch, adv_metrics = add_advantages(batch, cfg.algorithm, ctx.kl_ctrl.value)
     with ctx.phase("train"):

@@ -14,7 +14,6 @@ steps (and at the start and the end); checkpoints every `trainer.save_every` ste
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -57,18 +56,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def make_group(cfg: RunConfig, out: Path) -> Any:
-    from workers.group import WorkerGroup
+    from rlhf.workflow import role_group
     from workers.roles import PolicyWorker
 
-    p = cfg.policy
-    optim = {**asdict(p.optim), "total_steps": cfg.trainer.total_steps}
-    return WorkerGroup(
-        role=ROLE, worker_cls=PolicyWorker, tp=p.parallel.tp, pp=p.parallel.pp, dp=p.parallel.dp,
-        num_cpus_per_worker=p.resources.num_cpus_per_worker, num_gpus_per_worker=p.resources.num_gpus_per_worker,
-        timeout_s=cfg.trainer.timeout_s, log_dir=out / "logs", seed=cfg.trainer.seed,
-        init_kwargs={"model_path": p.model_path or cfg.model.path, "micro_batch_size": p.micro_batch_size,
-                     "dtype": p.dtype, "optim": optim},
-    )
+    return role_group(ROLE, cfg.policy, cfg, out, PolicyWorker, optimizer_steps=cfg.trainer.total_steps)
 
 
 def _check_schedule(saved: dict[str, Any] | None, cfg: RunConfig, where: Path) -> None:

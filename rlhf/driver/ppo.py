@@ -4,17 +4,14 @@ from __future__ import annotations
 
 from rlhf.driver.advantages import add_advantages
 from rlhf.driver.context import StepContext, rollout_metrics
-from rlhf.driver.grpo import generate_and_score, old_logprobs
+from rlhf.driver.grpo import add_logprobs, generate_and_score
 from rlhf.workflow import Roles, loss_config, value_loss_config
 
 
 def ppo_step(roles: Roles, ctx: StepContext) -> dict[str, float]:
     cfg = ctx.cfg
     batch = generate_and_score(roles, ctx)
-    if roles.reference is not None:
-        with ctx.phase("reference"):
-            batch = roles.reference.logprobs(batch, key="ref_logprobs")
-    batch = old_logprobs(roles, batch, ctx)
+    batch = add_logprobs(roles, batch, ctx)
     with ctx.phase("critic"):
         batch = roles.critic.values(batch)
     with ctx.phase("advantages"):

@@ -18,7 +18,7 @@ def model_path(tiny_model_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_path, tmp_path_factory):
-    w = RolloutWorker(EngineConfig(model_path, kv_cache_gb=0.05, max_num_seqs=64,
+    w = RolloutWorker(EngineConfig(model_path=model_path, kv_cache_gb=0.05, max_num_seqs=64,
                                    work_dir=str(tmp_path_factory.mktemp("rollout"))))
     yield w
     w.shutdown()

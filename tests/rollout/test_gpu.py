@@ -38,7 +38,7 @@ def env(tmp_path_factory, tiny_model_factory):
 def _engine(env, **kw):
     from workers.rollout import EngineConfig, RolloutGroup
 
-    cfg = EngineConfig(env["path"], kv_cache_gb=0.25, num_cpus=0.5, num_gpus=0.4, gpu_memory_utilization=0.2,
+    cfg = EngineConfig(model_path=env["path"], kv_cache_gb=0.25, num_cpus=0.5, num_gpus=0.4, gpu_memory_utilization=0.2,
                        work_dir=str(env["tmp"].mktemp("rollout")), **kw)
     return RolloutGroup(cfg)
 
@@ -53,7 +53,7 @@ def test_cuda_ipc_sync_colocated_with_sleep_wake(env):
 
     rollout = _engine(env, enable_sleep_mode=True)
     try:
-        cfg = SyncConfig(bucket_mb=0.5, colocated=True)
+        cfg = SyncConfig(sync_bucket_mb=0.5, colocated=True)
         stats = rollout.sync_weights(env["policy"], cfg)
         assert stats["sync/verify_max_abs_diff"] <= 1e-3
         rollout.sleep()
@@ -75,7 +75,7 @@ def test_nccl_sync_apart(env):
 
     rollout = _engine(env)
     try:
-        stats = rollout.sync_weights(env["policy"], SyncConfig(bucket_mb=0.5, transport="nccl"))
+        stats = rollout.sync_weights(env["policy"], SyncConfig(sync_bucket_mb=0.5, sync_transport="nccl"))
         assert stats["sync/verify_max_abs_diff"] <= 1e-3
         out = rollout.generate(PROMPTS, SamplingConfig(n=2, max_tokens=12, seed=0))
         assert _max_diff(env["policy"], out) <= 1e-3

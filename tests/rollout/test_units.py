@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from workers.config import build
 from workers.rollout.buckets import BucketPacker, group_key, unpack
 from workers.rollout.config import EngineConfig
 from workers.rollout.registry import TRANSPORTS, choose_transport
@@ -21,11 +22,13 @@ def test_bad_sampling_is_rejected_naming_the_field(field, value):
         SamplingConfig(**{field: value}).validate()
 
 
-def test_sampling_from_config_and_with():
-    cfg = {"n": 4, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "max_tokens": 8, "stop": ("x",), "seed": 3,
-           "dtype": "float32"}
-    sp = SamplingConfig.from_config(cfg)
-    assert (sp.n, sp.top_k, sp.stop, sp.seed) == (4, 5, ["x"], 3)
+def test_sampling_from_the_run_config_and_with():
+    from rlhf.config import load_config
+
+    r = load_config("configs/grpo_tiny.yaml", ["rollout.n=4", "rollout.temperature=0.6", "rollout.stop=[x]"],
+                    validate=False)
+    sp = build(SamplingConfig, r.rollout).validate()
+    assert (sp.n, sp.temperature, sp.stop, sp.seed) == (4, 0.6, ["x"], r.rollout.seed)
     assert sp.with_(n=2).n == 2
     with pytest.raises(ValueError, match="top_p"):
         sp.with_(top_p=2.0)
@@ -33,8 +36,12 @@ def test_sampling_from_config_and_with():
 
 def test_engine_config_validation():
     with pytest.raises(ValueError, match="kv_cache_gb"):
-        EngineConfig("x", kv_cache_gb=0).validate()
-    cfg = EngineConfig.from_config({"dtype": "bfloat16", "tp": 1, "max_num_seqs": 8, "n": 3}, "path")
+        EngineConfig(model_path="x", kv_cache_gb=0).validate()
+    with pytest.raises(TypeError):
+        EngineConfig("x")  # by keyword: a path is never taken for another field
+    with pytest.raises(ValueError, match=r"unknown EngineConfig keys \['n'\]"):
+        build(EngineConfig, {"model_path": "path", "n": 3})
+    cfg = build(EngineConfig, {"dtype": "bfloat16", "tp": 1, "max_num_seqs": 8, "model_path": "path"})
     assert (cfg.dtype, cfg.max_num_seqs, cfg.model_path) == ("bfloat16", 8, "path")
 
 
@@ -92,12 +99,13 @@ def test_transport_owns_its_control_keys():
 
 def test_sync_config_from_the_run_config():
     from rlhf.config import load_config
-    from workers.rollout.syncer import SyncConfig
+    from workers.rollout.config import SyncConfig
 
-    cfg = load_config("configs/grpo_tiny.yaml", ["rollout.zero_copy_weights=true", "rollout.sync_bucket_mb=8"])
-    sc = SyncConfig.from_config(cfg.rollout, timeout_s=30.0)
-    assert (sc.zero_copy, sc.bucket_mb, sc.timeout_s) == (True, 8.0, 30.0)
-    assert SyncConfig.from_config(load_config("configs/grpo_tiny.yaml", []).rollout).zero_copy is False
+    cfg = load_config("configs/grpo_tiny.yaml", ["rollout.zero_copy_weights=true", "rollout.sync_bucket_mb=8",
+                                                 "rollout.sync_transport=gloo"])
+    sc = build(SyncConfig, cfg.rollout, timeout_s=30.0)
+    assert (sc.zero_copy_weights, sc.sync_bucket_mb, sc.sync_transport, sc.timeout_s) == (True, 8.0, "gloo", 30.0)
+    assert build(SyncConfig, load_config("configs/grpo_tiny.yaml", []).rollout).zero_copy_weights is False
 
 
 def test_shm_layout_keeps_fused_weights_back_to_back():

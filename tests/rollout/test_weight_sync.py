@@ -43,7 +43,7 @@ def env(tmp_path_factory, tiny_model_factory):
     groups: dict[str, WorkerGroup] = {}
     rollout = None
     try:
-        rollout = RolloutGroup(EngineConfig(path, kv_cache_gb=0.05, max_num_seqs=32, num_cpus=0,
+        rollout = RolloutGroup(EngineConfig(model_path=path, kv_cache_gb=0.05, max_num_seqs=32, num_cpus=0,
                                             work_dir=str(tmp_path_factory.mktemp("rollout"))))
         log_dir = tmp_path_factory.mktemp("logs")
 
@@ -88,7 +88,8 @@ def test_sync_after_a_train_step_matches_the_policy(env, layout, transport):
     name, mode = (transport.split("+") + ["direct"])[:2]
     direct, shared = mode == "direct", mode == "shared"
     # tiny model (1.4 MB): several buckets
-    cfg = SyncConfig(bucket_mb=0.5, timeout_s=60, transport=name, direct_load=direct, zero_copy=shared)
+    cfg = SyncConfig(sync_bucket_mb=0.5, timeout_s=60, sync_transport=name, direct_load=direct,
+                     zero_copy_weights=shared)
     stats = rollout.sync_weights(policy, cfg)  # first sync with this policy: verified by default
     assert stats["sync/verify_max_abs_diff"] <= 1e-3
     syncer = rollout._syncers[id(policy)]
@@ -116,7 +117,7 @@ def test_sync_after_a_train_step_matches_the_policy(env, layout, transport):
     assert _max_diff(policy, fresh) <= 1e-3
     assert stats["sync/verify_max_abs_diff"] <= 1e-3
     if shared:  # the next layout's test starts from packed weights again
-        rollout.sync_weights(policy, SyncConfig(transport="shm", timeout_s=60), verify=True)
+        rollout.sync_weights(policy, SyncConfig(sync_transport="shm", timeout_s=60), verify=True)
 
 
 STALL_TIMEOUT_S = 2.0
@@ -178,7 +179,7 @@ def stalled():
 @pytest.mark.parametrize("transport", ["gloo", "shm"])
 def test_stalled_transport_times_out_naming_ranks(env, stalled, transport):
     rollout, policy = env["rollout"], env["policy"]("tp1")
-    rollout.sync_weights(policy, SyncConfig(bucket_mb=0.5, timeout_s=60, transport=transport), verify=False)
+    rollout.sync_weights(policy, SyncConfig(sync_bucket_mb=0.5, timeout_s=60, sync_transport=transport), verify=False)
     t0 = time.monotonic()
     with pytest.raises(WeightSyncTimeout) as err:
         rollout.sync_weights(policy, transport=stalled[transport], timeout_s=STALL_TIMEOUT_S)
@@ -195,29 +196,29 @@ def test_stalled_transport_times_out_naming_ranks(env, stalled, transport):
 
 def test_zero_copy_needs_the_shm_transport(env):
     with pytest.raises(ValueError, match="zero_copy_weights.*'shm' transport.*'gloo'"):
-        env["rollout"].sync_weights(env["policy"]("tp1"), SyncConfig(transport="gloo", zero_copy=True))
+        env["rollout"].sync_weights(env["policy"]("tp1"), SyncConfig(sync_transport="gloo", zero_copy_weights=True))
 
 
 def test_shm_file_is_removed_with_its_syncer(env):
     rollout, policy = env["rollout"], env["policy"]("tp2")
-    rollout.sync_weights(policy, SyncConfig(transport="shm", timeout_s=60), verify=False)
+    rollout.sync_weights(policy, SyncConfig(sync_transport="shm", timeout_s=60), verify=False)
     path = rollout._syncers[id(policy)].transport.path
     assert os.path.exists(path)
-    rollout.sync_weights(policy, SyncConfig(transport="shm", timeout_s=60), verify=True)  # a new syncer
+    rollout.sync_weights(policy, SyncConfig(sync_transport="shm", timeout_s=60), verify=True)  # a new syncer
     assert not os.path.exists(path) and os.path.exists(rollout._syncers[id(policy)].transport.path)
 
 
 def test_shm_direct_load_of_an_untied_model_without_bias(env, tiny_model_factory, tmp_path):
     """tiny-llama (untied LM head, no qkv bias) through the shm transport's module-by-module load."""
     path = tiny_model_factory("tiny-llama")
-    rollout = RolloutGroup(EngineConfig(path, kv_cache_gb=0.05, max_num_seqs=32, num_cpus=0,
+    rollout = RolloutGroup(EngineConfig(model_path=path, kv_cache_gb=0.05, max_num_seqs=32, num_cpus=0,
                                         work_dir=str(tmp_path / "rollout")))
     policy = None
     try:
         policy = WorkerGroup("policy", POLICY_CLS, tp=2, name="sync-policy-llama", num_cpus_per_worker=0.5,
                              timeout_s=120, log_dir=tmp_path / "logs",
                              init_kwargs={"model_path": path, "micro_batch_size": 8, "optim": {"lr": 1e-2}})
-        cfg = SyncConfig(timeout_s=60, transport="shm")
+        cfg = SyncConfig(timeout_s=60, sync_transport="shm")
         stats = rollout.sync_weights(policy, cfg)
         assert stats["sync/verify_max_abs_diff"] <= 1e-3 and stats["sync/direct_load"] == 1.0
         out = rollout.generate(PROMPTS, SAMPLING)

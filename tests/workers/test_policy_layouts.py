@@ -82,7 +82,7 @@ def test_train_step_same_update_across_layouts(env):
     metrics, weights = {}, {}
     initial = fetch_state_dict(env["groups"]["tp1"].state_dict_for_rollout())
     for name, g in env["groups"].items():
-        metrics[name] = g.train_step(batch, {**loss_cfg, "micro_batch_size": micro[name]})
+        metrics[name] = g.train_step(batch, loss_cfg, micro_batch_size=micro[name])
         weights[name] = fetch_state_dict(g.state_dict_for_rollout(bucket_mb=1.0))
     base = weights["tp1"]
     assert metrics["tp1"]["num_steps"] == 2 and metrics["tp1"]["skipped_steps"] == 0

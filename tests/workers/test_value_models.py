@@ -113,10 +113,11 @@ def test_reference_matches_policy_at_init(env):
 
 
 def test_update_configs_share_the_step_counts_and_reject_unknown_keys():
+    from workers.config import build
     from workers.roles import PPOLossConfig, ValueLossConfig
 
-    v = ValueLossConfig.from_any({"ppo_epochs": 2, "mini_batches": 3, "value_clip": None})
-    assert (v.ppo_epochs, v.mini_batches, v.value_clip, v.micro_batch_size) == (2, 3, None, None)
-    assert PPOLossConfig.from_any(None) == PPOLossConfig() and ValueLossConfig.from_any(v) is v
+    v = build(ValueLossConfig, {"ppo_epochs": 2, "mini_batches": 3, "value_clip": None})
+    assert (v.ppo_epochs, v.mini_batches, v.value_clip, v.loss_agg_mode) == (2, 3, None, "token-mean")
+    assert build(PPOLossConfig, None) == PPOLossConfig() and build(ValueLossConfig, v) is v
     with pytest.raises(ValueError, match=r"unknown ValueLossConfig keys \['clip_low'\]"):
-        ValueLossConfig.from_any({"clip_low": 0.2})
+        build(ValueLossConfig, {"clip_low": 0.2})

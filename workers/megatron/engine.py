@@ -20,51 +20,23 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from workers.config import build
 from workers.dtypes import as_dtype
 from workers.megatron import rope_positions
 from workers.megatron.ckpt_manifest import check_checkpoint, write_manifest
 from workers.megatron.cpu_compat import cuda_absent
 from workers.megatron.hf_weights import HFTensorSource
 from workers.megatron.masks import follow_mask
+from workers.megatron.optim_config import OptimSettings
 
 log = logging.getLogger("workers")
 _DIST_OPT_META = {"distrib_optim_sharding_type": "dp_reshardable"}
-
-
-@dataclass
-class OptimSettings:
-    """Optimizer and LR schedule (mirrors rlhf.config OptimConfig; unknown keys are rejected)."""
-
-    lr: float = 1e-5
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    clip_grad: float = 1.0
-    warmup_steps: int = 0
-    lr_decay_style: str = "constant"  # constant | linear | cosine
-    total_steps: int = 1000  # optimizer steps the schedule spans
-    use_distributed_optimizer: bool = False
-
-    @classmethod
-    def from_any(cls, value: OptimSettings | dict[str, Any] | None) -> OptimSettings:
-        if value is None or isinstance(value, OptimSettings):
-            return value or cls()
-        value = dict(value)
-        value.pop("max_consecutive_nonfinite", None)  # the driver's business
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"unknown optimizer settings {unknown}; known: {sorted(known)}")
-        if "betas" in value:
-            value["betas"] = tuple(value["betas"])
-        return cls(**value)
 
 
 @dataclass
@@ -117,7 +89,7 @@ class MegatronEngine:
         self.module = model
         self.config = model.config
         self.supports_explicit_positions = rope_positions.install(model)
-        self.optim = OptimSettings.from_any(optim)
+        self.optim = build(OptimSettings, optim)
         self.optimizer = None
         self.scheduler = None
         self.steps = 0

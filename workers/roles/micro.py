@@ -19,11 +19,14 @@ of it in a packed row (`prefix_shared_micros`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from workers.batch import Batch
 from workers.megatron.engine import Micro
 from workers.megatron.masks import causal_mask
+from workers.roles.base import MegatronWorker
 
 
 def attention_mask_4d(attn: torch.Tensor) -> torch.Tensor:
@@ -267,3 +270,31 @@ def pad_right(x: torch.Tensor, width: int, value: float = 0.0) -> torch.Tensor:
     if x.shape[1] >= width:
         return x[:, :width]
     return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
+
+
+def forward_responses(worker: MegatronWorker, batch: Batch, micro_batch_size: int | None,
+                      outputs: Callable[[torch.Tensor, Micro], dict[str, torch.Tensor]]) -> Batch:
+    """A forward pass over the batch's responses: `outputs(out, micro)` maps the model's output at a
+    micro-batch's response positions ([b, r, ...]) to per-token tensors [b, r]; returns them [B, R] in
+    the batch's order, 0 at padding."""
+    eng = worker.engine
+    r = batch["responses"].shape[1]
+    micros = response_micros(batch, micro_batch_size or worker.micro_batch_size, ["responses"], eng.device,
+                             pack=worker.pack_sequences)
+
+    def loss_fn(mb: Micro, out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        sl, _ = response_slice(mb, out)
+        data = {k: pad_right(v.float().cpu(), r) for k, v in outputs(sl, mb).items()}
+        if "_index" in mb.fields:
+            data["_index"] = mb.fields["_index"]
+        return torch.zeros((), device=out.device), data
+
+    with worker.onloaded():
+        outs = eng.forward_backward(micros, loss_fn, forward_only=True)
+    if not outs:
+        return Batch()
+    tensors = {k: join_outputs(outs, k) for k in outs[0] if k != "_index"}
+    if "response_mask" in batch:
+        mask = batch["response_mask"].to(torch.float32)
+        tensors = {k: v * mask for k, v in tensors.items()}
+    return Batch(tensors)

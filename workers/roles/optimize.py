@@ -9,15 +9,18 @@ micro-batch count and DDP's average over DP, so the gradients are those of the g
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
-from typing import Any, Self
+from typing import Any
 
 import torch
 
+from algorithms import global_normalizer
 from workers.batch import Batch
 from workers.megatron.engine import Micro
 from workers.roles.base import MegatronWorker
+from workers.roles.loss_config import UpdateConfig
+from workers.roles.micro import response_micros, response_slice
 
 
 class Metrics:
@@ -61,30 +64,9 @@ class Metrics:
 
 
 MicroLoss = Callable[[Micro, torch.Tensor, Metrics], torch.Tensor]
-
-
-@dataclass
-class UpdateConfig:
-    """How many optimizer steps an update takes: `ppo_epochs` passes over the batch, each in
-    `mini_batches` steps; `micro_batch_size` None means the worker's."""
-
-    ppo_epochs: int = 1
-    mini_batches: int = 1
-    micro_batch_size: int | None = None
-
-    @classmethod
-    def from_any(cls, value: Any) -> Self:
-        """The config from an instance, a dict of its fields (unknown keys are an error) or None (defaults)."""
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        value = dict(value)
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"unknown {cls.__name__} keys {unknown}; known: {sorted(known)}")
-        return cls(**value)
+# (output at the response positions [b, r, ...], the micro-batch's fields trimmed to r, response mask
+# [b, r] float, the mini-batch's global normaliser, metrics) -> the micro-batch's share of the loss
+ResponseLoss = Callable[[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, torch.Tensor, Metrics], torch.Tensor]
 
 
 def run_loss(worker: MegatronWorker, micros: list[Micro], loss: MicroLoss, train: bool = True) -> dict[str, float]:
@@ -112,6 +94,31 @@ def optimize(worker: MegatronWorker, batch: Batch, cfg: UpdateConfig,
     micro-batches and loss. Returns the steps' metrics averaged (`mean_steps`)."""
     minis = batch.split(max(1, cfg.mini_batches))
     return mean_steps([run_loss(worker, *prepare(mini)) for _ in range(max(1, cfg.ppo_epochs)) for mini in minis])
+
+
+def optimize_responses(worker: MegatronWorker, batch: Batch, cfg: UpdateConfig, keys: list[str],
+                       loss: ResponseLoss, micro_batch_size: int | None = None) -> dict[str, float]:
+    """`optimize` with a loss over the response tokens (the policy's and the critic's): each mini-batch's
+    normaliser is `cfg.loss_agg_mode`'s over all DP ranks; the micro-batches carry `responses`,
+    `response_mask` and `keys`. Adds time_s to the metrics."""
+    t0 = time.monotonic()
+    eng = worker.engine
+
+    def prepare(mini: Batch) -> tuple[list[Micro], MicroLoss]:
+        norm = worker.dp_all_reduce(global_normalizer(mini["response_mask"], cfg.loss_agg_mode))
+        micros = response_micros(mini, micro_batch_size or worker.micro_batch_size,
+                                 ["responses", "response_mask", *keys], eng.device, pack=worker.pack_sequences)
+
+        def loss_fn(mb: Micro, output: torch.Tensor, acc: Metrics) -> torch.Tensor:
+            sl, r_eff = response_slice(mb, output)
+            f = {k: v[:, :r_eff] for k, v in mb.fields.items() if not k.startswith("_")}
+            return loss(sl, f, f["response_mask"].to(torch.float32), norm, acc)
+
+        return micros, loss_fn
+
+    out = optimize(worker, batch, cfg, prepare)
+    out["time_s"] = time.monotonic() - t0
+    return out
 
 
 def mean_steps(per_step: list[dict[str, float]]) -> dict[str, float]:

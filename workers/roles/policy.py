@@ -8,37 +8,23 @@ Batch fields (see workers/batch.py conventions): `input_ids` [B, P+R], `attentio
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from algorithms import agg_loss, global_normalizer, kl_estimate, policy_loss
+from algorithms import agg_loss, kl_estimate, policy_loss
 from workers.batch import Batch
+from workers.config import build
 from workers.dispatch import DP_COMPUTE, ONE_TO_ALL, register, split_by_minibatch
 from workers.megatron.engine import Micro
 from workers.roles.base import MegatronWorker
 from workers.roles.lm import LMMixin
 from workers.roles.logits import vocab_parallel_logprobs
-from workers.roles.micro import join_outputs, pad_right, response_micros, response_slice
-from workers.roles.optimize import Metrics, MicroLoss, UpdateConfig, optimize
+from workers.roles.loss_config import PPOLossConfig
+from workers.roles.micro import forward_responses
+from workers.roles.optimize import Metrics, optimize_responses
 from workers.roles.weights import put_buckets
 from workers.rollout.policy_mixin import RolloutSyncMixin
-
-
-@dataclass
-class PPOLossConfig(UpdateConfig):
-    """What `train_step` needs besides the batch (a dict with these keys is accepted); `ppo_epochs`,
-    `mini_batches` (optimizer steps per epoch) and `micro_batch_size` come from `UpdateConfig`."""
-
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    clip_c: float | None = None
-    agg_mode: str = "token-mean"
-    entropy_coef: float = 0.0
-    kl_coef: float = 0.0  # > 0 with `ref_logprobs` in the batch: KL as a loss term
-    kl_kind: str = "k3"
-    temperature: float = 1.0  # the rollout's sampling temperature: logprobs of logits / temperature
 
 
 class LogprobMixin:
@@ -46,31 +32,13 @@ class LogprobMixin:
 
     def _logprob_pass(self, batch: Batch, with_entropy: bool, key: str, micro_batch_size: int | None,
                       temperature: float = 1.0) -> Batch:
-        eng = self.engine
-        r = batch["responses"].shape[1]
-        micros = response_micros(batch, micro_batch_size or self.micro_batch_size, ["responses"], eng.device,
-                                 pack=self.pack_sequences)
-
-        def loss_fn(mb: Micro, logits: torch.Tensor):
-            sl, _ = response_slice(mb, logits)
+        def outputs(sl: torch.Tensor, mb: Micro) -> dict[str, torch.Tensor]:
             labels = mb.fields["responses"][:, : sl.shape[1]]
-            logp, ent = vocab_parallel_logprobs(scale_logits(sl, temperature), labels, eng.vocab_size, with_entropy)
-            data = {key: pad_right(logp.float().cpu(), r)}
-            if with_entropy:
-                data["entropy"] = pad_right(ent.float().cpu(), r)
-            if "_index" in mb.fields:
-                data["_index"] = mb.fields["_index"]
-            return torch.zeros((), device=logits.device), data
+            logp, ent = vocab_parallel_logprobs(scale_logits(sl, temperature), labels, self.engine.vocab_size,
+                                                with_entropy)
+            return {key: logp, "entropy": ent} if with_entropy else {key: logp}
 
-        with self.onloaded():
-            outs = eng.forward_backward(micros, loss_fn, forward_only=True)
-        if not outs:
-            return Batch()
-        tensors = {k: join_outputs(outs, k) for k in outs[0] if k != "_index"}
-        mask = batch["response_mask"].to(torch.float32) if "response_mask" in batch else None
-        if mask is not None:
-            tensors = {k: v * mask for k, v in tensors.items()}
-        return Batch(tensors)
+        return forward_responses(self, batch, micro_batch_size, outputs)
 
 
 class PolicyWorker(RolloutSyncMixin, LogprobMixin, LMMixin, MegatronWorker):
@@ -84,50 +52,40 @@ class PolicyWorker(RolloutSyncMixin, LogprobMixin, LMMixin, MegatronWorker):
         return self._logprob_pass(batch, with_entropy, key, micro_batch_size, temperature)
 
     @register(DP_COMPUTE, pad=False, split=split_by_minibatch())
-    def train_step(self, batch: Batch, loss_config: dict[str, Any] | PPOLossConfig | None = None) -> dict[str, float]:
-        """PPO: `ppo_epochs` x `mini_batches` optimizer steps on the batch; returns metrics averaged over
-        the steps (policy loss, clipfrac, approx_kl, entropy, kl, grad_norm, lr, skipped_steps, ...)."""
-        cfg = PPOLossConfig.from_any(loss_config)
-        eng = self.engine
-        t0, c0 = time.monotonic(), time.process_time()
-        keys = ["responses", "response_mask", "advantages", "old_logprobs", "ref_logprobs"]
+    def train_step(self, batch: Batch, loss_config: dict[str, Any] | PPOLossConfig | None = None,
+                   micro_batch_size: int | None = None, temperature: float = 1.0) -> dict[str, float]:
+        """PPO: `ppo_epochs` x `mini_batches` optimizer steps on the batch, log-probs taken at the rollout's
+        `temperature`; returns metrics averaged over the steps (policy loss, clipfrac, approx_kl, entropy,
+        kl, grad_norm, lr, skipped_steps, ...)."""
+        cfg = build(PPOLossConfig, loss_config)
+        agg, vocab = cfg.loss_agg_mode, self.engine.vocab_size
         use_kl = cfg.kl_coef > 0 and "ref_logprobs" in batch
         need_entropy = cfg.entropy_coef != 0
+        c0 = time.process_time()
 
-        def prepare(mini: Batch) -> tuple[list[Micro], MicroLoss]:
-            norm = self.dp_all_reduce(global_normalizer(mini["response_mask"], cfg.agg_mode))
-            micros = response_micros(mini, cfg.micro_batch_size or self.micro_batch_size, keys, eng.device,
-                                     pack=self.pack_sequences)
+        def loss_fn(sl: torch.Tensor, f: dict[str, torch.Tensor], mask: torch.Tensor, norm: torch.Tensor,
+                    acc: Metrics) -> torch.Tensor:
+            logp, ent = vocab_parallel_logprobs(scale_logits(sl, temperature), f["responses"], vocab, need_entropy)
+            pg, m = policy_loss(logp, f["old_logprobs"].float(), f["advantages"].float(), mask,
+                                cfg.clip_low, cfg.clip_high, cfg.clip_c, agg, normalizer=norm)
+            loss = pg
+            parts = {"pg_loss": pg.detach()}
+            if need_entropy:
+                ent_loss = agg_loss(ent, mask, agg, normalizer=norm)
+                loss = loss - cfg.entropy_coef * ent_loss
+                parts["entropy_loss"] = ent_loss.detach()
+            if use_kl:
+                kl = agg_loss(kl_estimate(logp, f["ref_logprobs"].float(), cfg.kl_kind), mask, agg, normalizer=norm)
+                loss = loss + cfg.kl_coef * kl
+                parts["kl_loss"] = kl.detach()
+            parts["loss"] = loss.detach()
+            n_tok = float(mask.sum())
+            acc.add_sum({**parts, "tokens": n_tok})  # loss parts carry the global normaliser
+            acc.add_mean(m, weight=n_tok)
+            return loss
 
-            def loss_fn(mb: Micro, logits: torch.Tensor, acc: Metrics) -> torch.Tensor:
-                sl, r_eff = response_slice(mb, logits)
-                f = {k: v[:, :r_eff] for k, v in mb.fields.items() if not k.startswith("_")}
-                mask = f["response_mask"].to(torch.float32)
-                logp, ent = vocab_parallel_logprobs(scale_logits(sl, cfg.temperature), f["responses"],
-                                                    eng.vocab_size, need_entropy)
-                pg, m = policy_loss(logp, f["old_logprobs"].float(), f["advantages"].float(), mask,
-                                    cfg.clip_low, cfg.clip_high, cfg.clip_c, cfg.agg_mode, normalizer=norm)
-                loss = pg
-                parts = {"pg_loss": pg.detach()}
-                if need_entropy:
-                    ent_loss = agg_loss(ent, mask, cfg.agg_mode, normalizer=norm)
-                    loss = loss - cfg.entropy_coef * ent_loss
-                    parts["entropy_loss"] = ent_loss.detach()
-                if use_kl:
-                    kl = agg_loss(kl_estimate(logp, f["ref_logprobs"].float(), cfg.kl_kind), mask,
-                                  cfg.agg_mode, normalizer=norm)
-                    loss = loss + cfg.kl_coef * kl
-                    parts["kl_loss"] = kl.detach()
-                parts["loss"] = loss.detach()
-                n_tok = float(mask.sum())
-                acc.add_sum({**parts, "tokens": n_tok})  # loss parts carry the global normaliser
-                acc.add_mean(m, weight=n_tok)
-                return loss
-
-            return micros, loss_fn
-
-        out = optimize(self, batch, cfg, prepare)
-        out["time_s"] = time.monotonic() - t0
+        keys = ["advantages", "old_logprobs", "ref_logprobs"]
+        out = optimize_responses(self, batch, cfg, keys, loss_fn, micro_batch_size)
         out["cpu_s"] = time.process_time() - c0  # this rank's CPU time (all its threads)
         return out
 

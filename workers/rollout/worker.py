@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from workers.batch import Batch
+from workers.config import build
 from workers.rollout.config import EngineConfig, cuda_available, llm_kwargs, prepare_env
 from workers.rollout.control import SyncEndpoint
 from workers.rollout.cpu import engine_ops
@@ -262,9 +263,6 @@ class RolloutWorker:
             **_where(),
         }
 
-    def ping(self) -> int:
-        return self.rank
-
     def shutdown(self) -> None:
         """Release the engine (in-process use); safe to call twice."""
         if getattr(self, "llm", None) is not None:
@@ -286,11 +284,7 @@ def _where() -> dict[str, Any]:
 
 
 def _sampling(sampling: SamplingConfig | dict | None) -> SamplingConfig:
-    if sampling is None:
-        return SamplingConfig().validate()
-    if isinstance(sampling, dict):
-        return SamplingConfig(**sampling).validate()
-    return sampling.validate()
+    return build(SamplingConfig, sampling).validate()
 
 
 def _quiet_vllm_after_start() -> None:

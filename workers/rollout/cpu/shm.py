@@ -54,7 +54,7 @@ class ShmTransport(Transport):
     def session_fields(self, syncer: Any) -> dict[str, Any]:
         writers = sorted(i["rank"] for i in syncer.infos if i["dp_rank"] == 0)  # DP replica 0 writes
         return {"writer_ranks": writers, "shm_path": self.path, "direct_load": syncer.cfg.direct_load,
-                "zero_copy": syncer.cfg.zero_copy}
+                "zero_copy": syncer.cfg.zero_copy_weights}
 
     def close(self) -> None:
         """Remove the shared file (the next sync makes a new one)."""

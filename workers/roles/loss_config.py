@@ -1,0 +1,38 @@
+"""The update settings of the policy and the critic (the schema's `algorithm` section is built on them).
+
+`train_step(batch, loss_config)` takes a `PPOLossConfig` / `ValueLossConfig` or a dict of its fields; the
+per-call values (the micro-batch size, the sampling temperature) are `train_step` arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class UpdateConfig:
+    """How many optimizer steps an update takes, and how its token losses are aggregated."""
+
+    ppo_epochs: int = 1  # passes over the rollout batch
+    mini_batches: int = 1  # optimizer steps per pass
+    # algorithms.AGG_MODES, verl's loss_agg_mode names with verl's meaning
+    loss_agg_mode: str = "token-mean"
+
+
+@dataclass
+class ValueLossConfig(UpdateConfig):
+    """The critic's clipped value loss."""
+
+    value_clip: float | None = 0.2  # null: no clipping
+
+
+@dataclass
+class PPOLossConfig(UpdateConfig):
+    """The policy's clipped surrogate loss, with entropy bonus and KL to the reference as loss terms."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    clip_c: float | None = None  # dual clip constant (> 1); null: off (verl's default is 3)
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0  # > 0 with `ref_logprobs` in the batch: KL as a loss term
+    kl_kind: str = "k3"  # algorithms.KL_KINDS or an alias in algorithms.KL_ALIASES

@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from rlhf.config.schema import AlgorithmConfig, RolloutConfig
+from workers.agent.options import AgentOptions
 from workers.megatron.optim_config import OptimConfig, OptimSettings
 from workers.roles.loss_config import PPOLossConfig, UpdateConfig, ValueLossConfig
 from workers.rollout.config import EngineConfig, EngineOptions, SyncConfig, SyncOptions
@@ -29,6 +30,7 @@ WORKER_CONFIGS: dict[type, tuple[type, set[str]]] = {
                                    "enable_prefix_caching", "num_gpus", "logprobs_mode", "gpu_memory_utilization",
                                    "enable_sleep_mode", "enforce_eager", "work_dir", "extra"}),
     SyncOptions: (RolloutConfig, set()),
+    AgentOptions: (RolloutConfig, set()),
     SyncConfig: (RolloutConfig, {"direct_load", "colocated", "timeout_s", "verify_tolerance_16bit",
                                  "verify_num_seqs", "verify_seq_len"}),
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from workers.agent.options import AgentOptions
 from workers.megatron.optim_config import OptimConfig
 from workers.roles.loss_config import PPOLossConfig, ValueLossConfig
 from workers.rollout.config import EngineOptions, SyncOptions
@@ -56,22 +57,11 @@ class ModelConfig:
 
 
 @dataclass
-class RolloutConfig(SamplingConfig, EngineOptions, SyncOptions):
+class RolloutConfig(SamplingConfig, EngineOptions, SyncOptions, AgentOptions):
     """The vLLM engines: what a generate call samples (`SamplingConfig`), how the engines are built
-    (`EngineOptions`) and how the policy's weights reach them (`SyncOptions`). The run's default of `n` is
+    (`EngineOptions`), how the policy's weights reach them (`SyncOptions`) and multi-turn rollouts with tools
+    or an environment (`AgentOptions`). The run's default of `n` is
     set in `RunConfig`; `seed` also seeds the engines."""
-
-    # Multi-turn tool use: built-in tools (calculator, python: runs in the sandbox) or module:function.
-    # Empty: one response per prompt. max_tokens then caps each model turn.
-    tools: list[str] = field(default_factory=list)
-    max_turns: int = 4
-    max_total_tokens: int = 256  # a trajectory's response tokens, model and tool turns together
-    tool_timeout_s: float = 10.0  # a tool call or an environment step
-    # An environment (module:Class with reset(messages, ground_truth) and step(text) -> observation, reward,
-    # done) answers each model turn without a tool call; its rewards (env_reward: sum | last | mean) are the
-    # trajectory's score instead of reward.fn. e.g. workers.agent.env:GuessNumber
-    env: str | None = None
-    env_reward: str = "sum"
 
 
 @dataclass

@@ -8,7 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from workers.agent.loop import AgentConfig, run_agent
+from workers.agent.loop import Agent, run_agent
+from workers.agent.options import AgentOptions
 from workers.agent.toolcalls import CLOSE, ToolCall, parse_tool_calls
 from workers.agent.tools import Tool, calculator, load_tools, run_call
 
@@ -116,7 +117,7 @@ def test_scripted_two_turn_trajectory_token_in_token_out(engine):
     prompts = normalise(Batch(meta={"messages": messages}), tok)
     turns = [0, 0]
     trajs, metrics = run_agent(llm, tok, messages, prompts.ids, params, 200,
-                               AgentConfig(load_tools(["calculator"]), max_turns=2, max_total_tokens=400))
+                               Agent(AgentOptions(max_turns=2, max_total_tokens=400), load_tools(["calculator"])))
     assert metrics["agent/tool_calls"] == 2 and metrics["agent/tool_errors"] == 0
     for t in trajs:
         assert len(t.sampled_logprobs) == len(t.token_ids) == len(t.mask), (len(t.sampled_logprobs), len(t.token_ids))
@@ -186,7 +187,7 @@ def test_environment_turns_are_masked_and_rewarded(engine):
     def params(i, max_tokens):
         return base.with_(max_tokens=max_tokens, seed=i).to_vllm()
 
-    cfg = AgentConfig({}, max_turns=3, max_total_tokens=200, env=GuessNumber)
+    cfg = Agent(AgentOptions(max_turns=3, max_total_tokens=200), {}, env=GuessNumber)
     trajs, metrics = run_agent(llm, tok, messages, prompts.ids, params, 6, cfg, ["1234567"] * 3)
     for t in trajs:  # the random model never guesses 1234567: three turns, two observations in between
         assert t.turns == 3 and t.rewards == [0.0, 0.0, 0.0] and t.done
@@ -196,5 +197,5 @@ def test_environment_turns_are_masked_and_rewarded(engine):
         assert t.mask.count(0) > 0 and tok.decode([x for x, m in zip(t.token_ids, t.mask) if not m]).count("user") == 2
     assert metrics["agent/env_reward_mean"] == 0.0 and metrics["agent/env_errors"] == 0
     trajs, metrics = run_agent(llm, tok, messages, prompts.ids, params, 6,
-                               AgentConfig({}, max_turns=3, max_total_tokens=200, env=_Flaky, env_reward="last"))
+                               Agent(AgentOptions(max_turns=3, max_total_tokens=200, env_reward="last"), {}, env=_Flaky))
     assert metrics["agent/env_errors"] == 3 and all(t.rewards == [0.5] and t.turns == 2 for t in trajs)

@@ -18,20 +18,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workers.agent.env import AGGREGATIONS, Environment
+from workers.agent.options import AgentOptions
 from workers.agent.toolcalls import CLOSE, parse_tool_calls
 from workers.agent.tools import Tool, run_call
 from workers.rollout.prompts import sampled_logprobs
 
 
 @dataclass
-class AgentConfig:
+class Agent:
+    """What the loop runs with: the settings, the loaded tools and the environment class (made once per
+    trajectory)."""
+
+    options: AgentOptions
     tools: dict[str, Tool]
-    max_turns: int = 4  # model turns per trajectory
-    max_total_tokens: int = 256  # response tokens per trajectory, model and tool tokens together
-    tool_timeout_s: float = 10.0
+    env: Callable[[], Environment] | None = None
     tool_workers: int = 4
-    env: Callable[[], Environment] | None = None  # made once per trajectory
-    env_reward: str = "sum"  # how a trajectory's step rewards become its score: sum | last | mean
 
 
 @dataclass
@@ -57,7 +58,7 @@ ParamsFn = Callable[[int, int], Any]  # (trajectory index, max new tokens) -> vL
 class _Run:
     """The state of one `run_agent` call: trajectories, their tool futures and the counters."""
 
-    def __init__(self, llm: Any, tokenizer: Any, params: ParamsFn, max_tokens_per_turn: int, cfg: AgentConfig,
+    def __init__(self, llm: Any, tokenizer: Any, params: ParamsFn, max_tokens_per_turn: int, cfg: Agent,
                  trajs: list[Trajectory]) -> None:
         self.engine, self.tokenizer, self.params, self.per_turn, self.cfg = (
             llm.llm_engine, tokenizer, params, max_tokens_per_turn, cfg)
@@ -71,7 +72,7 @@ class _Run:
         from vllm.sampling_params import RequestOutputKind
 
         t = self.trajs[i]
-        left = self.cfg.max_total_tokens - len(t.token_ids)
+        left = self.cfg.options.max_total_tokens - len(t.token_ids)
         sp = self.params(i, max(1, min(self.per_turn, left)))
         sp.output_kind = RequestOutputKind.FINAL_ONLY
         self.engine.add_request(f"agent-{self.tag}-{i}-{t.turns}", {"prompt_token_ids": t.prompt_ids + t.token_ids},
@@ -91,7 +92,7 @@ class _Run:
         t.messages.append({"role": "assistant", "content": text})
         t.finish_reason = c.finish_reason or "length"
         found = parse_tool_calls(text) if c.stop_reason == CLOSE else []
-        out_of_room = len(t.token_ids) >= self.cfg.max_total_tokens or t.turns >= self.cfg.max_turns
+        out_of_room = len(t.token_ids) >= self.cfg.options.max_total_tokens or t.turns >= self.cfg.options.max_turns
         if found and out_of_room:  # a call pending with no turn left to read its result
             t.done, t.finish_reason = True, "length"
         elif not found and t.env is None:
@@ -113,7 +114,7 @@ class _Run:
             self.errors["env_error"] += 1
             t.done = True
             return False
-        if done or obs is None or t.turns >= self.cfg.max_turns:
+        if done or obs is None or t.turns >= self.cfg.options.max_turns:
             t.done = True
             return False
         return self.append_turn(i, [{"role": "user", "content": str(obs)}])
@@ -129,7 +130,7 @@ class _Run:
         model to answer after them."""
         t = self.trajs[i]
         glue = _turn_ids(self.tokenizer, t.messages, new)
-        if len(glue) >= self.cfg.max_total_tokens - len(t.token_ids):
+        if len(glue) >= self.cfg.options.max_total_tokens - len(t.token_ids):
             t.done, t.finish_reason = True, "length"
             return False
         t.token_ids += glue
@@ -140,7 +141,7 @@ class _Run:
 
 
 def run_agent(llm: Any, tokenizer: Any, messages: list[list[dict[str, str]]], prompt_ids: list[list[int]],
-              params: ParamsFn, max_tokens_per_turn: int, cfg: AgentConfig,
+              params: ParamsFn, max_tokens_per_turn: int, cfg: Agent,
               ground_truths: list[Any] | None = None) -> tuple[list[Trajectory], dict[str, float]]:
     """Run one trajectory per (messages, prompt_ids), each at its own pace: the engine steps while tools run
     in threads, and a trajectory's next turn joins the engine's batch as soon as its tool results are in.
@@ -164,12 +165,12 @@ def run_agent(llm: Any, tokenizer: Any, messages: list[list[dict[str, str]]], pr
                     i = int(out.request_id.split("-")[2])
                     found = run.finished_turn(i, out.outputs[0])
                     if found and not trajs[i].done:
-                        job = outer.submit(lambda f=found: [run_call(c, cfg.tools, pool, cfg.tool_timeout_s) for c in f])
+                        job = outer.submit(lambda f=found: [run_call(c, cfg.tools, pool, cfg.options.tool_timeout_s) for c in f])
                         tools[job] = (i, found, time.perf_counter())
                     elif not trajs[i].done:  # no tool call: the environment answers
                         tools[outer.submit(run.step_env, i)] = (i, [], time.perf_counter())
             else:
-                done, _ = wait(list(tools), timeout=cfg.tool_timeout_s * 4 + 10, return_when=FIRST_COMPLETED)
+                done, _ = wait(list(tools), timeout=cfg.options.tool_timeout_s * 4 + 10, return_when=FIRST_COMPLETED)
                 if not done:  # an environment step hangs: end those trajectories
                     for job, (i, _, _) in list(tools.items()):
                         run.errors["env_timeout"] += 1
@@ -190,7 +191,7 @@ def run_agent(llm: Any, tokenizer: Any, messages: list[list[dict[str, str]]], pr
                     if not k.startswith("env_")})
     if cfg.env is not None:
         metrics["agent/env_errors"] = float(run.errors["env_error"] + run.errors["env_timeout"])
-        metrics["agent/env_reward_mean"] = sum(AGGREGATIONS[cfg.env_reward](t.rewards) for t in trajs) / n
+        metrics["agent/env_reward_mean"] = sum(AGGREGATIONS[cfg.options.env_reward](t.rewards) for t in trajs) / n
     return trajs, metrics
 
 

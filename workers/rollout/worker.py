@@ -128,7 +128,8 @@ class RolloutWorker:
         metrics and, with an environment, meta `env_reward` (the trajectory's aggregated reward). Prompts must
         be chat messages (meta `messages`, or `prompt` as message lists); `sampling.max_tokens` caps each turn."""
         from workers.agent.env import AGGREGATIONS, load_env
-        from workers.agent.loop import AgentConfig, run_agent
+        from workers.agent.loop import Agent, run_agent
+        from workers.agent.options import AgentOptions
         from workers.agent.toolcalls import CLOSE
         from workers.agent.tools import load_tools
 
@@ -145,8 +146,8 @@ class RolloutWorker:
         def params(i: int, max_tokens: int) -> Any:
             return one.with_(max_tokens=max_tokens).to_vllm(seed=None if sp.seed is None else sp.seed + i)
 
-        cfg = AgentConfig(load_tools(list(tools)), max_turns=max_turns, max_total_tokens=max_total_tokens,
-                          tool_timeout_s=tool_timeout_s, env=load_env(env) if env else None, env_reward=env_reward)
+        opts = AgentOptions(list(tools), max_turns, max_total_tokens, tool_timeout_s, env, env_reward)
+        cfg = Agent(opts, load_tools(opts.tools), load_env(env) if env else None)
         gts = batch.meta.get("ground_truth") or [None] * len(batch)
         t0 = time.perf_counter()
         trajs, metrics = run_agent(self.llm, self.tokenizer, [chats[i // sp.n] for i in range(rows)],

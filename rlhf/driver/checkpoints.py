@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from workers.files import FileProblem, os_cause
+
 
 def rng_state() -> dict[str, Any]:
     """The driver's Python and torch RNG states as JSON-safe values."""
@@ -54,9 +56,16 @@ class CheckpointManager:
         name = f"step-{step:06d}"
         tmp = self.root / f"tmp-{name}"
         tmp.mkdir()
-        write_roles(tmp)
-        (tmp / "driver_state.json").write_text(json.dumps({"step": step, **driver_state}))
         final = self.root / name
+        try:
+            write_roles(tmp)
+            (tmp / "driver_state.json").write_text(json.dumps({"step": step, **driver_state}))
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays beside the checkpoints
+            cause = disk_cause(e)
+            if cause is not None:
+                raise FileProblem(final, f"cannot write the checkpoint: {cause}") from e
+            raise
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -83,3 +92,17 @@ class CheckpointManager:
     @staticmethod
     def driver_state(path: Path) -> dict[str, Any]:
         return json.loads((path / "driver_state.json").read_text())
+
+
+# How a full or read-only disk reads in an error raised by a worker (its message crosses the process boundary).
+_DISK_TEXT = {"no space left on device": "no space left on device", "disk quota exceeded": "disk quota exceeded",
+              "read-only file system": "read-only file system", "unexpected pos": "no space left on device"}
+
+
+def disk_cause(exc: BaseException) -> str | None:
+    """The disk problem behind `exc` (an OSError here, or a worker's error naming one), else None."""
+    cause = os_cause(exc)
+    if cause is not None:
+        return cause
+    text = str(exc).lower()
+    return next((c for key, c in _DISK_TEXT.items() if key in text), None)

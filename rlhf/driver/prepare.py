@@ -110,13 +110,13 @@ def prompt_limit(cfg: RunConfig) -> PromptLimit | None:
                        f"({max_tokens}) = {context - max_tokens}", count, cfg.data.overlong_prompts)
 
 
-def load_rl_prompts(cfg: RunConfig, report: bool = True) -> tuple[list, list]:
+def load_rl_prompts(cfg: RunConfig, report: bool = True, check_lengths: bool = True) -> tuple[list, list]:
     """The run's (train, val) prompts with over-long ones dropped (a count on stdout when `report`) or
-    refused, per data.overlong_prompts."""
+    refused, per data.overlong_prompts (`check_lengths` False: parsed only, no model needed)."""
     from rlhf.data.prompts import load_prompt_dataset
 
     d = cfg.data
-    limit = prompt_limit(cfg)
+    limit = prompt_limit(cfg) if check_lengths else None
     train, val = load_prompt_dataset(d.train_file, d.val_file, val_size=d.val_size, prompt_key=d.prompt_key,
                                      messages_key=d.messages_key, answer_key=d.answer_key, seed=d.seed,
                                      limit=limit)
@@ -139,6 +139,7 @@ def prepare_inputs(cfg: RunConfig) -> RunConfig:
             resolve_reward_fn(cfg.reward.fn)
         if not cfg.data.train_file:
             raise ConfigError("data.train_file: expected a jsonl or parquet prompt file (or data.task: arithmetic)")
+        load_rl_prompts(cfg, report=False, check_lengths=False)  # a bad file fails before any model work
     _model(cfg, out)
     if rl:  # after _model: prompt lengths are counted with the model's tokenizer and chat template
         load_rl_prompts(cfg, report=False)

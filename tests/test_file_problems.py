@@ -162,12 +162,13 @@ def test_truncated_safetensors(tmp_path, tiny_model_factory, capsys):
     shutil.copytree(tiny_model_factory("tiny-qwen2"), model)
     weights = model / "model.safetensors"
     os.truncate(weights, weights.stat().st_size // 2)
+    (tmp_path / "p.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "1+1="}], "answer": "2"}) + "\n")
     capsys.readouterr()
     commands = {
         "convert": ["hf-to-mcore", "--hf", str(model), "--out", str(tmp_path / "out" / "mc")],
         "generate": ["--model", str(model), "--prompt", "hi"],
         "train": ["configs/grpo_tiny.yaml", f"model.path={model}", "model.preset=null", "model.warm_start_steps=0",
-                  "data.task=null", f"data.train_file={tmp_path / 'p.jsonl'}", f"trainer.output_dir={tmp_path / 'run'}"],
+                  "data.task=null", f"data.train_file={tmp_path / 'p.jsonl'}", "data.val_size=0", f"trainer.output_dir={tmp_path / 'run'}"],
     }
     for command, args in commands.items():
         assert cli([command, *args]) == 2, command

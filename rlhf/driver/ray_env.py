@@ -8,7 +8,9 @@ An embedded instance:
 - keeps its session folder (logs, sockets) under `<output_dir>/ray`, or, when that path is too long for a
   unix socket, in a short `/tmp/rlhf-eray-<pid>-*` folder removed at exit (and by the next start when the
   driver was killed);
-- has its token file (`~/.ray/auth_token`, or RAY_AUTH_TOKEN_PATH) readable by its owner only.
+- has its token file (`~/.ray/auth_token`, or RAY_AUTH_TOKEN_PATH) readable by its owner only;
+- is ended with the driver: a reaper process (rlhf/driver/ray_reaper.py) kills what Ray started and removes
+  the driver's weight-sync files and scratch folder when the driver stops or dies, even by SIGKILL.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ import os
 import secrets
 import shutil
 import stat
+import subprocess
 import tempfile
 from pathlib import Path
 
 from rlhf.config.schema import TrainerConfig
+from rlhf.driver.ray_reaper import processes_of, start_reaper, stop_reaper
 
 CLUSTER_MODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray keeps a loopback node address
 SCRATCH_PREFIX = "rlhf-eray-"
@@ -36,6 +40,25 @@ class EmbeddedRay:
 
     def __init__(self, temp_dir: Path, scratch: bool, saved_env: str | None) -> None:
         self.temp_dir, self.scratch, self._saved_env = temp_dir, scratch, saved_env
+        self.reaper: subprocess.Popen[bytes] | None = None
+
+    def watch(self) -> None:
+        """Start the reaper over the processes Ray has started for this driver (call after `ray.init`): its
+        GCS, raylet and monitors and what they started (the agents, idle workers)."""
+        from ray._private import worker
+
+        from workers.rollout.cpu.shm_file import PREFIX, SHM_DIR
+
+        node = worker._global_node
+        assert node is not None, "watch() runs after ray.init"
+        processes = []
+        for _kind, proc in node.live_processes():
+            processes += processes_of(proc.pid, include_self=True)
+
+        remove = [os.path.join(SHM_DIR, f"{PREFIX}{os.getpid()}-*")]
+        if self.scratch:
+            remove.append(str(self.temp_dir))
+        self.reaper = start_reaper(processes, remove)
 
     def stop(self) -> None:
         import ray
@@ -44,6 +67,8 @@ class EmbeddedRay:
             ray.shutdown()
         finally:
             _set_cluster_mode(self._saved_env)
+            if self.reaper is not None:
+                stop_reaper(self.reaper)
             if self.scratch:
                 shutil.rmtree(self.temp_dir, ignore_errors=True)
 
@@ -148,6 +173,7 @@ def init_ray(trainer: TrainerConfig) -> EmbeddedRay | None:
         if not str(node_ip).startswith("127."):
             raise RuntimeError(f"the embedded Ray took the node address {node_ip}, not 127.0.0.1; refusing to "
                                f"run with Ray listening beyond loopback")
+        own.watch()
     except BaseException:
         own.stop()
         raise

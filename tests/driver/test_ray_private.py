@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,59 @@ def test_existing_token_made_private_and_stale_scratch_dirs_removed(tmp_path, mo
         assert scratch and len(str(long_dir)) + ray_env.SESSION_SUFFIX_MAX <= ray_env.SOCKET_PATH_MAX
     finally:
         long_dir.rmdir()
+
+
+# A driver that starts its embedded Ray (in a scratch temp dir: the run dir is too long), an actor and a
+# weight-sync file, reports what Ray started, then waits to be killed.
+KILLED_DRIVER = """
+import json, os, sys, time, psutil, ray
+from rlhf.config.schema import TrainerConfig
+from rlhf.driver.ray_env import init_ray
+from workers.rollout.cpu.shm_file import PREFIX, SHM_DIR
+
+own = init_ray(TrainerConfig(output_dir=sys.argv[1], dashboard=False, ray_num_cpus=2))
+@ray.remote
+class A:
+    def pid(self):
+        return os.getpid()
+a = A.remote()
+ray.get(a.pid.remote(), timeout=120)
+shm = os.path.join(SHM_DIR, f"{PREFIX}{os.getpid()}-test.bin")
+open(shm, "wb").write(b"w")
+started = [[p.pid, p.name()] for p in psutil.Process().children(recursive=True) if p.pid != getattr(own.reaper, "pid", None)]
+print("STARTED", json.dumps({"processes": started, "shm": shm, "temp_dir": str(own.temp_dir)}), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_sigkilled_driver_leaves_no_ray_process_or_file(tmp_path):
+    """Ray's agents outlive a SIGKILLed driver by about a minute on their own; the reaper ends them (and
+    every other process Ray started) within seconds and removes the driver's shm file and scratch dir."""
+    import psutil
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("RAY_ADDRESS", None)
+    out = tmp_path / ("x" * 60) / "run"
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_DRIVER, str(out)], env=env, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout is not None
+        line = next((ln for ln in proc.stdout if ln.startswith("STARTED ")), "")
+        assert line, "the driver did not start"
+        res = json.loads(line.split(" ", 1)[1])
+        names = " ".join(n for _, n in res["processes"])
+        assert "raylet" in names and "DashboardAgent" in names and "RuntimeEnvAgent" in names, names
+        assert os.path.exists(res["shm"]) and os.path.isdir(res["temp_dir"])
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 20  # Ray alone: the agents linger about 60 s
+    alive = res["processes"]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.5)
+        alive = [[pid, name] for pid, name in alive if psutil.pid_exists(pid)
+                 and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"still running 20 s after the driver's SIGKILL: {alive}"
+    assert not os.path.exists(res["shm"]), "the dead driver's weight-sync file was left"
+    assert not os.path.exists(res["temp_dir"]), "the dead driver's scratch Ray dir was left"

@@ -3,23 +3,30 @@
 vLLM is imported lazily (inside the worker), so importing this package is cheap.
 """
 
-from workers.rollout.config import EngineConfig, SyncConfig
-from workers.rollout.group import RolloutError, RolloutGroup
-from workers.rollout.registry import choose_transport
-from workers.rollout.sampling import SamplingConfig
-from workers.rollout.syncer import WeightSyncer
-from workers.rollout.transport import WeightSyncError, WeightSyncTimeout
-from workers.rollout.worker import RolloutWorker
+from __future__ import annotations
 
-__all__ = [
-    "EngineConfig",
-    "RolloutError",
-    "RolloutGroup",
-    "RolloutWorker",
-    "SamplingConfig",
-    "SyncConfig",
-    "WeightSyncError",
-    "WeightSyncTimeout",
-    "WeightSyncer",
-    "choose_transport",
-]
+import importlib
+from typing import Any
+
+# Imported on first use, so that importing one light module of this package (its config classes, which
+# the schema builds on) does not import Ray, torch.distributed or vLLM.
+_EXPORTS = {
+    "EngineConfig": "workers.rollout.config",
+    "RolloutError": "workers.rollout.group",
+    "RolloutGroup": "workers.rollout.group",
+    "RolloutWorker": "workers.rollout.worker",
+    "SamplingConfig": "workers.rollout.sampling",
+    "SyncConfig": "workers.rollout.config",
+    "WeightSyncError": "workers.rollout.transport",
+    "WeightSyncTimeout": "workers.rollout.transport",
+    "WeightSyncer": "workers.rollout.syncer",
+    "choose_transport": "workers.rollout.registry",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -35,7 +35,7 @@ CHAT_TEMPLATE = (
 class TinyPreset:
     """Architecture of one preset. head_dim is kept >= 32 because vLLM's CPU attention needs it."""
 
-    family: str  # a HF model_type: "qwen2", "llama", "qwen3", "qwen2_moe" or "qwen3_moe"
+    family: str  # a HF model_type: "qwen2", "llama", "mistral", "qwen3", "qwen2_moe" or "qwen3_moe"
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -55,6 +55,9 @@ class TinyPreset:
 PRESETS: dict[str, TinyPreset] = {
     "tiny-llama": TinyPreset("llama", 128, 2, 4, 2, 256, 512, tie_embeddings=False),
     "tiny-qwen2": TinyPreset("qwen2", 128, 2, 4, 2, 256, 512, tie_embeddings=True),
+    # Mistral: Llama's layout with an explicit head_dim (64 != hidden / heads, as in Mistral-Nemo), no window.
+    "tiny-mistral": TinyPreset("mistral", 128, 2, 4, 2, 256, 512, tie_embeddings=False,
+                               extra={"head_dim": 64, "sliding_window": None}),
     # The arithmetic example's policy: ~0.8M parameters (hidden 128, 4 layers, GQA 4/2, tied).
     "arith-qwen2": TinyPreset("qwen2", 128, 4, 4, 2, 512, 512, tie_embeddings=True),
     # The ~30M-parameter benchmark model (hidden 512, 8 layers, head_dim 64).
@@ -117,7 +120,7 @@ def build_tokenizer(vocab_size: int, model_max_length: int = 512):
 
 def hf_config(preset: TinyPreset, tokenizer):
     """The transformers config of a preset, with the tokenizer's special token ids."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
     common = dict(
         vocab_size=preset.vocab_size,
@@ -138,7 +141,8 @@ def hf_config(preset: TinyPreset, tokenizer):
     )
     if preset.family == "qwen2":
         return Qwen2Config(**common)
-    moe_or_qwen3 = {"qwen3": Qwen3Config, "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig}
+    moe_or_qwen3 = {"qwen3": Qwen3Config, "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig,
+                    "mistral": MistralConfig}
     if preset.family in moe_or_qwen3:
         return moe_or_qwen3[preset.family](**common)
     if preset.family == "llama":

@@ -1,4 +1,5 @@
-"""Issue 3: HF <-> megatron-core conversion for dense Llama and Qwen2 (real transformers vs megatron-core).
+"""HF <-> megatron-core conversion for dense Llama, Mistral and Qwen2 (real transformers vs megatron-core),
+including Llama 3 rope scaling at positions beyond `original_max_position_embeddings`.
 
 Spawned worlds: TP1 (also saves TP1 dist checkpoints), TP2 and PP2 (also load them) parity worlds, plus the
 conversions the CLI runs (hf-to-mcore TP2xPP2, mcore-to-hf TP1 and PP2).
@@ -33,16 +34,45 @@ def _pad_variant(src: Path, dst: Path, vocab: int) -> Path:
     return dst
 
 
+# Llama 3 scaling with a short original context, so the test batch's positions 8..23 lie beyond it.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
+
+
+def _rope_variant(src: Path, dst: Path) -> Path:
+    """tiny-llama with Llama 3 rope scaling (same weights)."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["rope_parameters"] = LLAMA3_ROPE
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("convert")
     qwen = create_tiny_model("tiny-qwen2", root / "qwen")
     llama = create_tiny_model("tiny-llama", root / "llama")
-    return {"qwen": qwen, "llama": llama, "qwen_pad": _pad_variant(qwen, root / "qwen_pad", 500), "root": root}
+    return {"qwen": qwen, "llama": llama, "qwen_pad": _pad_variant(qwen, root / "qwen_pad", 500),
+            "llama_rope3": _rope_variant(llama, root / "llama_rope3"),
+            "mistral": create_tiny_model("tiny-mistral", root / "mistral"), "root": root}
 
 
 def _hf_dirs(models) -> list[str]:
-    return [str(models[k]) for k in ("qwen", "llama", "qwen_pad")]
+    return [str(models[k]) for k in ("qwen", "llama", "qwen_pad", "llama_rope3", "mistral")]
+
+
+def test_llama3_scaling_changes_logits_beyond_original_context(models):
+    """The rope variant is a real test of the scaling: past `original_max_position_embeddings` its logits
+    differ from plain RoPE's (the parity test then holds them to transformers' within 1e-4)."""
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(0, 512, (1, 24), generator=torch.Generator().manual_seed(0))
+    plain = AutoModelForCausalLM.from_pretrained(models["llama"]).eval()
+    scaled = AutoModelForCausalLM.from_pretrained(models["llama_rope3"]).eval()
+    with torch.no_grad():
+        diff = (plain(ids).logits - scaled(ids).logits).abs().amax(dim=-1)[0]
+    assert diff[8:].max() > 1e-3, diff
 
 
 @pytest.fixture(scope="module")
@@ -174,3 +204,17 @@ def test_bad_input_rejected_cleanly(models, tmp_path, capsys, case, edit, extra_
 def test_mcore_to_hf_rejects_non_checkpoint(models, tmp_path, capsys):
     assert cli(["convert", "mcore-to-hf", "--mcore", str(models["qwen"]), "--out", str(tmp_path / "o")]) == 2
     assert "rlhf_mcore.json is missing" in capsys.readouterr().err
+
+
+def test_mistral_sliding_window_refused(models, tmp_path, capsys):
+    """A window shorter than the context cannot be run as full attention: one line naming the field."""
+    src = tmp_path / "mistral_window"
+    shutil.copytree(models["mistral"], src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["sliding_window"] = 128
+    (src / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "out"
+    assert cli(["convert", "hf-to-mcore", "--hf", str(src), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "sliding_window=128 is smaller than max_position_embeddings=512" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and not out.exists()

@@ -1,5 +1,5 @@
-"""HF <-> megatron-core name and layout map for the Llama, Qwen2, Qwen3, Qwen2-MoE and Qwen3-MoE families
-(defined once).
+"""HF <-> megatron-core name and layout map for the Llama, Mistral, Qwen2, Qwen3, Qwen2-MoE and Qwen3-MoE
+families (defined once).
 
 Used by the offline converter and the live weight sync (`workers/megatron/hf_weights.py`).
 
@@ -58,6 +58,7 @@ class Family:
 
 FAMILIES: dict[str, Family] = {
     "llama": Family("llama", qkv_bias=False),
+    "mistral": Family("mistral", qkv_bias=False),  # Llama's layout; a sliding window is refused (family_of)
     "qwen2": Family("qwen2", qkv_bias=True),
     "qwen3": Family("qwen3", qkv_bias=False, qk_norm=True),
     "qwen2_moe": Family("qwen2_moe", qkv_bias=True, moe=True, shared_expert=True),
@@ -83,6 +84,8 @@ def family_of(hf_config: Any) -> Family:
         raise ValueError(f"model_type {model_type!r} is not supported (supported: {', '.join(FAMILIES)})")
     if model_type == "llama" and (cfg_get(hf_config, "attention_bias") or cfg_get(hf_config, "mlp_bias")):
         raise ValueError("llama configs with attention_bias or mlp_bias are not supported")
+    if model_type == "mistral":
+        _check_mistral_window(hf_config)
     if model_type != "llama" and cfg_get(hf_config, "use_sliding_window"):
         raise ValueError(f"{model_type} configs with use_sliding_window=true are not supported")
     if model_type in ("qwen3", "qwen3_moe") and cfg_get(hf_config, "attention_bias"):
@@ -97,6 +100,17 @@ def family_of(hf_config: Any) -> Family:
     if fam.moe:
         _check_moe_fields(hf_config, fam)
     return fam
+
+
+def _check_mistral_window(hf_config: Any) -> None:
+    """Mistral's sliding window: megatron's attention here is full causal, which equals sliding-window
+    attention only when no sequence is longer than the window, i.e. a window of at least
+    max_position_embeddings (or none)."""
+    window, max_pos = cfg_get(hf_config, "sliding_window"), cfg_get(hf_config, "max_position_embeddings")
+    if window is not None and (not isinstance(max_pos, int) or window < max_pos):
+        raise ValueError(f"config field sliding_window={window} is smaller than max_position_embeddings={max_pos}: "
+                         f"sliding-window attention is not supported (full attention equals it only when the "
+                         f"window is at least max_position_embeddings; set sliding_window to null or >= {max_pos})")
 
 
 def _check_moe_fields(hf_config: Any, fam: Family) -> None:

@@ -120,7 +120,14 @@ def build_tokenizer(vocab_size: int, model_max_length: int = 512):
 
 def hf_config(preset: TinyPreset, tokenizer):
     """The transformers config of a preset, with the tokenizer's special token ids."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     common = dict(
         vocab_size=preset.vocab_size,

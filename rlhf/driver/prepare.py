@@ -125,6 +125,17 @@ def load_rl_prompts(cfg: RunConfig, report: bool = True, check_lengths: bool = T
     return train, val
 
 
+def _check_eval_tasks(cfg: RunConfig) -> None:
+    """Load trainer.eval_tasks once so that a bad name or data file fails before the warm start (the run
+    loads them again, before Ray starts, for use)."""
+    t = cfg.trainer
+    if t.eval_every:
+        from rlhf.eval.tasks import load_task
+
+        for name in t.eval_tasks:
+            load_task(name, t.eval_limit, seed=t.seed)
+
+
 def prepare_inputs(cfg: RunConfig) -> RunConfig:
     """Generate or check the run's inputs in place and return `cfg`; raise UserError on bad input."""
     out = Path(cfg.trainer.output_dir)
@@ -140,6 +151,7 @@ def prepare_inputs(cfg: RunConfig) -> RunConfig:
         if not cfg.data.train_file:
             raise ConfigError("data.train_file: expected a jsonl or parquet prompt file (or data.task: arithmetic)")
         load_rl_prompts(cfg, report=False, check_lengths=False)  # a bad file fails before any model work
+        _check_eval_tasks(cfg)
     _model(cfg, out)
     if rl:  # after _model: prompt lengths are counted with the model's tokenizer and chat template
         load_rl_prompts(cfg, report=False)

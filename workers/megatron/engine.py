@@ -12,6 +12,8 @@ megatron parallel_state are up (`workers.megatron.parallel.init_distributed`). W
 - `save_checkpoint` / `load_checkpoint` through dist_checkpointing (model, optimizer, scheduler, RNG);
   the model loads at any TP/PP/DP, the distributed optimizer state at another DP (`dp_reshardable`);
 - `offload()` / `onload()`: parameters to CPU and back between uses (GPU only; no-ops on CPU).
+- MoE models: the role's `MoEConfig` (router losses, dispatcher) as TransformerConfig overrides, and
+  after a training pass `moe_metrics()` (router losses and expert load, `workers.megatron.moe_metrics`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from workers.megatron.ckpt_manifest import check_checkpoint, write_manifest
 from workers.megatron.cpu_compat import cuda_absent
 from workers.megatron.hf_weights import HFTensorSource
 from workers.megatron.masks import follow_mask
+from workers.megatron.moe_config import MoEConfig
 from workers.megatron.optim_config import OptimSettings
 
 log = logging.getLogger("workers")
@@ -63,10 +66,12 @@ class MegatronEngine:
         optim: OptimSettings | dict[str, Any] | None = None,
         load_weights: bool = True,
         recompute: bool = False,
+        moe: MoEConfig | dict[str, Any] | None = None,
     ) -> None:
         from megatron.core import parallel_state as ps
         from transformers import AutoConfig
 
+        from workers.megatron.hf_map import family_of
         from workers.megatron.model_provider import build_gpt_model
 
         self.model_path = model_path
@@ -79,9 +84,13 @@ class MegatronEngine:
         overrides: dict[str, Any] = {}
         if recompute:
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-        if ps.get_pipeline_model_parallel_world_size() > 1:
+        pp = ps.get_pipeline_model_parallel_world_size()
+        if pp > 1:
             # micro-batches may differ in size and length (the MoE-only dispatcher check needs alltoall)
             overrides.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+        self.moe = build(MoEConfig, moe) if family_of(self.hf_config).moe else None
+        if self.moe is not None:
+            overrides.update(self.moe.transformer_overrides(pp))
         model = build_gpt_model(self.hf_config, dtype=self.dtype, value_head=value_head, **overrides)
         model.to(self.device)
         if load_weights:
@@ -89,6 +98,11 @@ class MegatronEngine:
         self.module = model
         self.config = model.config
         self.supports_explicit_positions = rope_positions.install(model)
+        self.expert_load = None
+        if self.moe is not None and trainable:
+            from workers.megatron.moe_metrics import ExpertLoad
+
+            self.expert_load = ExpertLoad(model, self.config, self.moe)
         self.optim = build(OptimSettings, optim)
         self.optimizer = None
         self.scheduler = None
@@ -194,6 +208,8 @@ class MegatronEngine:
 
         for chunk in self.chunks:
             chunk.train(not forward_only)
+        if self.expert_load is not None and not forward_only:
+            self.expert_load.reset()
         grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
         with grad_ctx:
             out = get_forward_backward_func()(
@@ -206,6 +222,13 @@ class MegatronEngine:
                 forward_only=forward_only,
             )
         return list(out) if self.is_last_stage else []
+
+    def moe_metrics(self, num_micro_batches: int) -> dict[str, float]:
+        """Collective (every rank): router losses and expert load of the last training `forward_backward`
+        over `num_micro_batches` ({} for a dense or frozen model; see `workers.megatron.moe_metrics`)."""
+        if self.expert_load is None:
+            return {}
+        return self.expert_load.step_metrics(num_micro_batches, self.device)
 
     def zero_grad(self) -> None:
         for chunk in self.chunks:
@@ -243,7 +266,7 @@ class MegatronEngine:
         from megatron.core import parallel_state as ps
 
         return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
-                "dp": ps.get_data_parallel_world_size()}
+                "dp": ps.get_data_parallel_world_size(), "ep": ps.get_expert_model_parallel_world_size()}
 
     def _rng_object(self, data: Any) -> Any:
         from megatron.core import parallel_state as ps
@@ -291,20 +314,20 @@ class MegatronEngine:
                         trust: bool = False) -> dict[str, Any]:
         """Collective: load a checkpoint written by `save_checkpoint`, possibly at another layout.
 
-        The model always loads (any TP/PP/DP). With `load_optimizer` (and a trainable engine): the
+        The model always loads (any TP/PP/EP/DP). With `load_optimizer` (and a trainable engine): the
         optimizer state, scheduler and step count; the distributed optimizer's state loads at another DP
         (`dp_reshardable`), not at another TP/PP. Without it, the optimizer's main params are refreshed
-        from the loaded weights (bf16 keeps fp32 copies). The RNG loads with `load_rng` at the same TP/PP
-        layout only (it is per model-parallel rank). The folder must match its manifest (ckpt_manifest.py)
-        unless `trust`. Returns the saved metadata."""
+        from the loaded weights (bf16 keeps fp32 copies). The RNG loads with `load_rng` at the same
+        TP/PP/EP layout only (it is per model-parallel rank, and experts have an RNG stream per EP rank).
+        The folder must match its manifest (ckpt_manifest.py) unless `trust`. Returns the saved metadata."""
         from megatron.core import dist_checkpointing
 
         check_checkpoint(path, trust)  # before anything in the folder is unpickled
         path = str(path)
         common = dist_checkpointing.load_common_state_dict(path)
         meta = dict(common.get("meta", {}))
-        same_mp = {k: v for k, v in meta.get("layout", {}).items() if k != "dp"} == {
-            k: v for k, v in self._layout().items() if k != "dp"}
+        saved = {"ep": 1, **meta.get("layout", {})}  # checkpoints from before expert parallelism: ep 1
+        same_mp = {k: v for k, v in saved.items() if k != "dp"} == {k: v for k, v in self._layout().items() if k != "dp"}
         with_opt = load_optimizer and self.optimizer is not None
         if with_opt:
             _ensure_adam_state(self.optimizer)  # a never-stepped optimizer has no state to describe

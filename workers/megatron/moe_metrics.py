@@ -33,14 +33,19 @@ class ExpertLoad:
         self.moe_layers = [i for i, sparse in enumerate(pattern) if sparse]
         self.sequence_parallel = bool(config.sequence_parallel)
         self.counts = torch.zeros(config.num_layers, config.num_moe_experts, dtype=torch.float64)
+        self.paused = False  # EP filler micro-batches are not counted
         for module in model.modules():
             if isinstance(module, Router):
                 module.register_forward_hook(self._count)
 
-    def _count(self, module: Any, _inputs: Any, output: Any) -> None:
-        if module.training and torch.is_grad_enabled() and module.layer_number is not None:
-            routing_map = output[1]  # [tokens, experts] bool
-            self.counts[module.layer_number - 1] += routing_map.sum(0).to(device="cpu", dtype=torch.float64)
+    def _count(self, module: Any, inputs: Any, output: Any) -> None:
+        if self.paused or not (module.training and torch.is_grad_enabled()) or module.layer_number is None:
+            return
+        routing_map = output[1]  # [tokens, experts] bool
+        padding = inputs[1] if len(inputs) > 1 else None  # [s, b] bool, True on EP alignment padding
+        if padding is not None:
+            routing_map = routing_map[~padding.reshape(-1)]
+        self.counts[module.layer_number - 1] += routing_map.sum(0).to(device="cpu", dtype=torch.float64)
 
     def reset(self) -> None:
         """Forget the counts and megatron's tracked router losses (before a training pass)."""

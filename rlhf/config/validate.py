@@ -43,7 +43,7 @@ def _experts(c: dict) -> int:
     """Routed experts of a config.json dict (0 for a dense or unknown model_type)."""
     from workers.megatron.hf_map import FAMILIES, num_experts
 
-    fam = FAMILIES.get(c.get("model_type"))
+    fam = FAMILIES.get(str(c.get("model_type")))
     return int(num_experts(c) or 0) if fam is not None and fam.moe else 0
 
 

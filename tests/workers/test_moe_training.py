@@ -13,11 +13,14 @@ import math
 
 import pytest
 import ray
+import torch
 
 from tests.workers.conftest import make_rl_batch
+from workers.dispatch import split_dp_args
 from workers.group import WorkerGroup
 from workers.roles import PolicyWorker, fetch_state_dict
 from workers.roles.lm import lm_batch_from_rl
+from workers.roles.micro import response_micros
 
 MOE = {"aux_loss_coeff": 0.01, "z_loss_coeff": 0.001}
 OPTIM = {"lr": 1e-3, "clip_grad": 1.0}
@@ -86,3 +89,25 @@ def test_checkpoint_saved_at_ep2_resumes_at_ep1(env, tmp_path):
     for key in ("loss", "grad_norm", "moe/aux_loss"):
         assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
     assert max_diff(weights(env[1]), weights(env[2])) <= 1e-5  # the optimizer state resumed too
+
+
+def micro_counts(batch) -> list[int]:
+    """Micro-batches each DP rank of 2 runs for `batch` (prefix-shared packing, one row per micro-batch)."""
+    shards, _ = split_dp_args([batch], {}, 2, pad=True)
+    return [len(response_micros(args[0], 1, [], torch.device("cpu"), pack="prefix")) for args, _ in shards]
+
+
+def test_uneven_micro_batch_counts_at_ep2_equal_ep1(env):
+    """Packed RL batches give the DP ranks different numbers of micro-batches; at EP=2 the rank with fewer
+    runs fillers to keep the EP group's token dispatch in step. Log-probs and a PPO update still equal EP=1's."""
+    rl = make_rl_batch(n=5, seed=4)
+    assert micro_counts(rl) == [3, 2]
+    lp = {ep: g.compute_logprobs(rl, micro_batch_size=1)["logprobs"] for ep, g in env.items()}
+    assert (lp[2] - lp[1]).abs().max() <= 1e-5
+    batch = make_rl_batch(n=8, seed=0)
+    assert micro_counts(batch) == [4, 3]
+    batch["old_logprobs"] = env[1].compute_logprobs(batch)["logprobs"]
+    out = {ep: g.train_step(batch, {"clip_low": 0.2, "clip_high": 0.28}, micro_batch_size=1) for ep, g in env.items()}
+    for key in ("loss", "grad_norm", "moe/aux_loss", "moe/z_loss", "moe/load_imbalance"):
+        assert out[2][key] == pytest.approx(out[1][key], rel=1e-5, abs=1e-7), key
+    assert max_diff(weights(env[2]), weights(env[1])) <= 1e-5

@@ -141,8 +141,9 @@ def _check_experts(name: str, role: RoleConfig, shape: ModelShape) -> None:
     if par.pp > 1 and not cuda:
         raise ConfigError(
             f"{name}.parallel.pp={par.pp}: an MoE model ({src}) cannot run with pipeline parallelism without "
-            "CUDA: megatron's pipeline schedules need variable sequence lengths, which only the alltoall token "
-            "dispatcher takes, and megatron-core 0.16.1 builds that dispatcher with torch.cuda.Stream; use pp=1"
+            "CUDA: the pipeline schedules run micro-batches of varying shapes (variable_seq_lengths), which "
+            "megatron allows only with the alltoall token dispatcher, and megatron-core 0.16.1 builds that "
+            "dispatcher with torch.cuda.Stream; use pp=1"
         )
     err = role.moe.fit_error(par.pp, cuda)
     if err:

@@ -28,8 +28,8 @@ class MoEConfig:
     - `z_loss_coeff`: the router z-loss (ST-MoE: the squared log-sum-exp of the router logits), 0 = off.
     - `token_dispatcher`: how tokens reach the experts of other expert-parallel ranks. `auto`: `alltoall` with
       CUDA or pipeline parallelism, `allgather` otherwise (megatron-core 0.16.1's all-to-all dispatcher
-      creates CUDA streams, so it cannot be built on CPU; its pipeline schedules need variable sequence
-      lengths, which only all-to-all supports).
+      creates CUDA streams, so it cannot be built on CPU; with PP the engine runs micro-batches of varying
+      shapes (variable_seq_lengths), which megatron allows only with all-to-all).
     """
 
     aux_loss_coeff: float = 0.0
@@ -79,8 +79,9 @@ class MoEConfig:
                 return f"{name}: expected a coefficient >= 0, got {value!r}"
         dispatcher = self.dispatcher(pp)
         if pp > 1 and dispatcher != "alltoall":
-            return (f"token_dispatcher={self.token_dispatcher} with pipeline parallelism (pp={pp}): megatron's "
-                    "pipeline schedules need variable sequence lengths, which only the alltoall dispatcher takes")
+            return (f"token_dispatcher={self.token_dispatcher} with pipeline parallelism (pp={pp}): the pipeline "
+                    "schedules run micro-batches of varying shapes (variable_seq_lengths), which megatron allows "
+                    "only with the alltoall dispatcher")
         if dispatcher == "alltoall" and not cuda:
             why = f"pipeline parallelism (pp={pp}) needs it" if pp > 1 else "it was chosen"
             return (f"token_dispatcher: the alltoall dispatcher cannot run without CUDA ({why}): megatron-core "

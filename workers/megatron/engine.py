@@ -432,9 +432,11 @@ def _mark_expert_params(model: torch.nn.Module) -> None:
     of dense + expert), whose checkpoint keys differ from a single optimizer's. At EP=1 the expert-data-
     parallel group is the data-parallel group, so the gradients are the same, and the optimizer state
     has the same keys at every EP: a checkpoint saved at EP=2 resumes at EP=1 and the reverse."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
     for module in model.modules():
-        if getattr(module, "is_expert", False):
-            for p in module.parameters(recurse=False):
+        if isinstance(module, MoELayer):  # its routed experts, whichever implementation (not the shared expert)
+            for p in module.experts.parameters():
                 p.allreduce = False
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from rlhf.config.schema import AlgorithmConfig, RolloutConfig
 from workers.agent.options import AgentOptions
+from workers.megatron.moe_config import MoEConfig
 from workers.megatron.optim_config import OptimConfig, OptimSettings
 from workers.roles.loss_config import PPOLossConfig, UpdateConfig, ValueLossConfig
 from workers.rollout.config import EngineConfig, EngineOptions, SyncConfig, SyncOptions
@@ -20,6 +21,7 @@ SUFFIXES = ("Config", "Options", "Settings")
 # worker config class -> (the schema section its values come from, its fields the run does not set)
 WORKER_CONFIGS: dict[type, tuple[type, set[str]]] = {
     OptimConfig: (OptimConfig, set()),
+    MoEConfig: (MoEConfig, set()),
     OptimSettings: (OptimConfig, {"total_steps"}),  # derived by the driver from the run's length
     UpdateConfig: (AlgorithmConfig, set()),
     PPOLossConfig: (AlgorithmConfig, set()),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from workers.agent.options import AgentOptions
+from workers.megatron.moe_config import MoEConfig
 from workers.megatron.optim_config import OptimConfig
 from workers.roles.loss_config import PPOLossConfig, ValueLossConfig
 from workers.rollout.config import EngineOptions, SyncOptions
@@ -13,11 +14,16 @@ from workers.rollout.sampling import SamplingConfig
 
 @dataclass
 class ParallelConfig:
-    """Megatron parallel layout of one role. world size = tp * pp * dp."""
+    """Megatron parallel layout of one role. world size = tp * pp * dp.
+
+    `ep` (MoE models): expert parallelism. The routed experts are split over `ep` ranks taken from the
+    data-parallel ones (megatron-core lays expert layers out as tp x ep x expert-dp x pp on the same ranks),
+    so `ep` divides `dp` and the experts; the batch is still split over `dp`."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    ep: int = 1
 
 
 @dataclass
@@ -40,6 +46,7 @@ class RoleConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     resources: ResourceConfig = field(default_factory=ResourceConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)  # MoE models: router losses, token dispatcher
     micro_batch_size: int = 8
     dtype: str = "float32"  # float32 | bfloat16
     offload: bool = False  # GPU only: keep parameters on CPU between uses

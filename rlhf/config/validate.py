@@ -36,6 +36,15 @@ class ModelShape:
     num_kv_heads: int
     max_positions: int
     source: str
+    num_experts: int = 0  # routed experts per MoE layer (0: a dense model)
+
+
+def _experts(c: dict) -> int:
+    """Routed experts of a config.json dict (0 for a dense or unknown model_type)."""
+    from workers.megatron.hf_map import FAMILIES, num_experts
+
+    fam = FAMILIES.get(str(c.get("model_type")))
+    return int(num_experts(c) or 0) if fam is not None and fam.moe else 0
 
 
 def model_shape(path: str | None, preset: str | None) -> ModelShape | None:
@@ -51,7 +60,7 @@ def model_shape(path: str | None, preset: str | None) -> ModelShape | None:
         heads = c.get("num_attention_heads")
         return ModelShape(
             c.get("num_hidden_layers"), heads, c.get("num_key_value_heads", heads),
-            c.get("max_position_embeddings", 1 << 30), str(cfg_file),
+            c.get("max_position_embeddings", 1 << 30), str(cfg_file), _experts(c),
         )
     if preset:
         from rlhf.tiny_models import PRESETS
@@ -59,7 +68,8 @@ def model_shape(path: str | None, preset: str | None) -> ModelShape | None:
         if preset not in PRESETS:
             raise ConfigError(f"model.preset: unknown preset {preset!r}; expected one of {', '.join(PRESETS)}")
         p = PRESETS[preset]
-        return ModelShape(p.num_layers, p.num_heads, p.num_kv_heads, p.max_position_embeddings, f"preset {preset}")
+        return ModelShape(p.num_layers, p.num_heads, p.num_kv_heads, p.max_position_embeddings, f"preset {preset}",
+                          _experts({"model_type": p.family, **p.extra}))
     return None
 
 
@@ -74,7 +84,7 @@ def _choice(value: str, field: str, choices: Sequence[str]) -> None:
 
 def _check_role(name: str, role: RoleConfig, shape: ModelShape | None) -> None:
     par = role.parallel
-    for k in ("tp", "pp", "dp"):
+    for k in ("tp", "pp", "dp", "ep"):
         _require(getattr(par, k) >= 1, f"{name}.parallel.{k}", "an integer >= 1", getattr(par, k))
     _require(role.micro_batch_size >= 1, f"{name}.micro_batch_size", "an integer >= 1", role.micro_batch_size)
     _choice(role.dtype, f"{name}.dtype", DTYPES)
@@ -105,6 +115,39 @@ def _check_role(name: str, role: RoleConfig, shape: ModelShape | None) -> None:
         )
     if shape.num_layers % par.pp:
         raise ConfigError(f"{name}.parallel.pp={par.pp} does not divide the {shape.num_layers} layers of {src}")
+    _check_experts(name, role, shape)
+
+
+def _check_experts(name: str, role: RoleConfig, shape: ModelShape) -> None:
+    """Expert parallelism and the `moe` section against the model (megatron-core 0.16.1's layout: expert
+    layers are tp x ep x expert-dp x pp over the role's tp x pp x dp ranks)."""
+    import torch
+
+    par, src = role.parallel, shape.source
+    if not shape.num_experts:
+        if par.ep > 1:
+            raise ConfigError(f"{name}.parallel.ep={par.ep}: expert parallelism needs an MoE model; {src} is dense")
+        return
+    if shape.num_experts % par.ep:
+        raise ConfigError(f"{name}.parallel.ep={par.ep} does not divide the {shape.num_experts} experts of {src}")
+    if par.dp % par.ep:
+        world = par.tp * par.pp * par.dp
+        raise ConfigError(
+            f"{name}.parallel.ep={par.ep} does not divide {name}.parallel.dp={par.dp}: the expert-parallel ranks "
+            f"come from the data-parallel ones, so world = tp x pp x dp = {par.tp} x {par.pp} x {par.dp} = {world} "
+            f"must be a multiple of tp x ep x pp = {par.tp} x {par.ep} x {par.pp} = {par.tp * par.ep * par.pp}"
+        )
+    cuda = torch.cuda.is_available()
+    if par.pp > 1 and not cuda:
+        raise ConfigError(
+            f"{name}.parallel.pp={par.pp}: an MoE model ({src}) cannot run with pipeline parallelism without "
+            "CUDA: the pipeline schedules run micro-batches of varying shapes (variable_seq_lengths), which "
+            "megatron allows only with the alltoall token dispatcher, and megatron-core 0.16.1 builds that "
+            "dispatcher with torch.cuda.Stream; use pp=1"
+        )
+    err = role.moe.fit_error(par.pp, cuda)
+    if err:
+        raise ConfigError(f"{name}.moe.{err}")
 
 
 def _check_rollout_engine(cfg: RunConfig, shape: ModelShape) -> None:

@@ -140,6 +140,7 @@ class LMRun:
             "tokens_per_s": batch["tokens"].numel() / dt, "step_time_s": dt,
             "consumed_samples": float(self.data.order.consumed), "time/data": t1 - t0,
             "time/train": time.perf_counter() - t1,
+            **{k: v for k, v in out.items() if k.startswith("moe/")},  # MoE models: router losses, expert load
         }
 
     def run(self, logger: MetricsLogger) -> dict[str, float]:

@@ -12,6 +12,8 @@ megatron parallel_state are up (`workers.megatron.parallel.init_distributed`). W
 - `save_checkpoint` / `load_checkpoint` through dist_checkpointing (model, optimizer, scheduler, RNG);
   the model loads at any TP/PP/DP, the distributed optimizer state at another DP (`dp_reshardable`);
 - `offload()` / `onload()`: parameters to CPU and back between uses (GPU only; no-ops on CPU).
+- MoE models: the role's `MoEConfig` (router losses, dispatcher) as TransformerConfig overrides, and
+  after a training pass `moe_metrics()` (router losses and expert load, `workers.megatron.moe_metrics`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,24 +32,15 @@ from workers.dtypes import as_dtype
 from workers.megatron import rope_positions
 from workers.megatron.ckpt_manifest import check_checkpoint, write_manifest
 from workers.megatron.cpu_compat import cuda_absent
+from workers.megatron.ep_align import Aligned, align_micros
 from workers.megatron.hf_weights import HFTensorSource
 from workers.megatron.masks import follow_mask
+from workers.megatron.micro_batch import Micro
+from workers.megatron.moe_config import MoEConfig
 from workers.megatron.optim_config import OptimSettings
 
 log = logging.getLogger("workers")
 _DIST_OPT_META = {"distrib_optim_sharding_type": "dp_reshardable"}
-
-
-@dataclass
-class Micro:
-    """One micro-batch ready for the model: trimmed token block, masks and the per-sample fields."""
-
-    input_ids: torch.Tensor  # [b, s]
-    position_ids: torch.Tensor  # [b, s]
-    attention_mask: torch.Tensor  # [b, 1, s, s] bool, True = masked
-    fields: dict[str, torch.Tensor]  # per-sample tensors the loss needs (any width)
-    offset: int = 0  # columns trimmed from the left of the original block
-    explicit_positions: bool = False  # RoPE at `position_ids` (rows that are not one contiguous sequence)
 
 
 class MegatronEngine:
@@ -63,10 +55,12 @@ class MegatronEngine:
         optim: OptimSettings | dict[str, Any] | None = None,
         load_weights: bool = True,
         recompute: bool = False,
+        moe: MoEConfig | dict[str, Any] | None = None,
     ) -> None:
         from megatron.core import parallel_state as ps
         from transformers import AutoConfig
 
+        from workers.megatron.hf_map import family_of
         from workers.megatron.model_provider import build_gpt_model
 
         self.model_path = model_path
@@ -79,9 +73,13 @@ class MegatronEngine:
         overrides: dict[str, Any] = {}
         if recompute:
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-        if ps.get_pipeline_model_parallel_world_size() > 1:
+        pp = ps.get_pipeline_model_parallel_world_size()
+        if pp > 1:
             # micro-batches may differ in size and length (the MoE-only dispatcher check needs alltoall)
             overrides.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+        self.moe = build(MoEConfig, moe) if family_of(self.hf_config).moe else None
+        if self.moe is not None:
+            overrides.update(self.moe.transformer_overrides(pp))
         model = build_gpt_model(self.hf_config, dtype=self.dtype, value_head=value_head, **overrides)
         model.to(self.device)
         if load_weights:
@@ -89,6 +87,12 @@ class MegatronEngine:
         self.module = model
         self.config = model.config
         self.supports_explicit_positions = rope_positions.install(model)
+        self.expert_parallel = self.moe is not None and ps.get_expert_model_parallel_world_size() > 1
+        self.expert_load = None
+        if self.moe is not None and trainable:
+            from workers.megatron.moe_metrics import ExpertLoad
+
+            self.expert_load = ExpertLoad(model, self.config, self.moe)
         self.optim = build(OptimSettings, optim)
         self.optimizer = None
         self.scheduler = None
@@ -124,6 +128,8 @@ class MegatronEngine:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         o = self.optim
+        if self.moe is not None:
+            _mark_expert_params(self.module)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=o.use_distributed_optimizer
         )
@@ -176,36 +182,97 @@ class MegatronEngine:
     ) -> list[Any]:
         """Run the pipeline schedule; returns the `data` of `loss_fn` per micro-batch on the last stage
         ([] on other stages). Gradients accumulate over the micro-batches; the schedule divides each
-        returned loss by the number of micro-batches (scale it back up if the loss is already a sum)."""
+        returned loss by the number of micro-batches (scale it back up if the loss is already a sum).
+        With expert parallelism the ranks of an EP group run aligned micro-batches (`ep_align`); the
+        results, gradients and router losses are those of this rank's own micro-batches."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        if not micro_batches:
+        runs = self._aligned(micro_batches)
+        if not runs:
             return []
 
-        def step(data_iter: Iterator[Micro], model: torch.nn.Module):
-            mb = next(data_iter)
+        def step(data_iter: Iterator[Aligned], model: torch.nn.Module):
+            run = next(data_iter)
+            mb = run.micro
             if mb.explicit_positions and not self.supports_explicit_positions:
                 raise RuntimeError("this model's RoPE cannot take explicit positions (fused RoPE); "
                                    "use pack_sequences=True instead of 'prefix'")
             follow_mask(model, mb.attention_mask)
-            with rope_positions.explicit_positions(mb.position_ids if mb.explicit_positions else None):
-                out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask)
-            return out, lambda output: loss_fn(mb, output)
+            extra = {} if run.padding is None else {"padding_mask": run.padding}
+            with rope_positions.explicit_positions(mb.position_ids if mb.explicit_positions else None), \
+                    self._router_losses_off(run.filler):
+                out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask,
+                            **extra)
+            if run.filler:
+                return out, lambda output: (output.sum() * 0.0, None)
+            if run.padding is None:
+                return out, lambda output: loss_fn(mb, output)
+            return out, lambda output: loss_fn(mb, output[: run.rows, : run.cols])
 
         for chunk in self.chunks:
             chunk.train(not forward_only)
+        if self.expert_load is not None and not forward_only:
+            self.expert_load.reset()
+        real = len(micro_batches)
         grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
-        with grad_ctx:
+        with grad_ctx, self._grads_scaled(len(runs) / max(real, 1)):
             out = get_forward_backward_func()(
                 forward_step_func=step,
-                data_iterator=iter(micro_batches),
+                data_iterator=iter(runs),
                 model=self.chunks,
-                num_microbatches=len(micro_batches),
-                seq_length=max(m.input_ids.shape[1] for m in micro_batches),
-                micro_batch_size=max(m.input_ids.shape[0] for m in micro_batches),
+                num_microbatches=len(runs),
+                seq_length=max(r.micro.input_ids.shape[1] for r in runs),
+                micro_batch_size=max(r.micro.input_ids.shape[0] for r in runs),
                 forward_only=forward_only,
             )
-        return list(out) if self.is_last_stage else []
+        return list(out)[:real] if self.is_last_stage else []
+
+    def _aligned(self, micro_batches: list[Micro]) -> list[Aligned]:
+        """The micro-batches as this rank runs them: as they are, or aligned with the EP group's."""
+        if not self.expert_parallel:
+            return [Aligned(m, *m.input_ids.shape[:2]) for m in micro_batches]
+        from megatron.core import parallel_state as ps
+
+        return align_micros(micro_batches, ps.get_expert_model_parallel_group(), self.device)
+
+    @contextlib.contextmanager
+    def _grads_scaled(self, factor: float) -> Iterator[None]:
+        """Gradients (of the loss and of the router losses) times `factor` for the duration: the schedule
+        divides by the number of micro-batches it runs, which EP filler micro-batches may raise."""
+        if factor == 1.0:
+            yield
+            return
+        inner = self.config.grad_scale_func
+        self.config.grad_scale_func = (lambda t: inner(t) * factor) if inner else (lambda t: t * factor)
+        try:
+            yield
+        finally:
+            self.config.grad_scale_func = inner
+
+    @contextlib.contextmanager
+    def _router_losses_off(self, off: bool) -> Iterator[None]:
+        """No router losses and no expert-load counts while `off` (EP filler micro-batches)."""
+        if not off:
+            yield
+            return
+        c = self.config
+        saved = c.moe_aux_loss_coeff, c.moe_z_loss_coeff
+        c.moe_aux_loss_coeff, c.moe_z_loss_coeff = 0.0, None
+        if self.expert_load is not None:
+            self.expert_load.paused = True
+        try:
+            yield
+        finally:
+            c.moe_aux_loss_coeff, c.moe_z_loss_coeff = saved
+            if self.expert_load is not None:
+                self.expert_load.paused = False
+
+    def moe_metrics(self, num_micro_batches: int) -> dict[str, float]:
+        """Collective (every rank): router losses and expert load of the last training `forward_backward`
+        over `num_micro_batches` ({} for a dense or frozen model; see `workers.megatron.moe_metrics`)."""
+        if self.expert_load is None:
+            return {}
+        return self.expert_load.step_metrics(num_micro_batches, self.device)
 
     def zero_grad(self) -> None:
         for chunk in self.chunks:
@@ -243,7 +310,7 @@ class MegatronEngine:
         from megatron.core import parallel_state as ps
 
         return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
-                "dp": ps.get_data_parallel_world_size()}
+                "dp": ps.get_data_parallel_world_size(), "ep": ps.get_expert_model_parallel_world_size()}
 
     def _rng_object(self, data: Any) -> Any:
         from megatron.core import parallel_state as ps
@@ -291,20 +358,20 @@ class MegatronEngine:
                         trust: bool = False) -> dict[str, Any]:
         """Collective: load a checkpoint written by `save_checkpoint`, possibly at another layout.
 
-        The model always loads (any TP/PP/DP). With `load_optimizer` (and a trainable engine): the
+        The model always loads (any TP/PP/EP/DP). With `load_optimizer` (and a trainable engine): the
         optimizer state, scheduler and step count; the distributed optimizer's state loads at another DP
         (`dp_reshardable`), not at another TP/PP. Without it, the optimizer's main params are refreshed
-        from the loaded weights (bf16 keeps fp32 copies). The RNG loads with `load_rng` at the same TP/PP
-        layout only (it is per model-parallel rank). The folder must match its manifest (ckpt_manifest.py)
-        unless `trust`. Returns the saved metadata."""
+        from the loaded weights (bf16 keeps fp32 copies). The RNG loads with `load_rng` at the same
+        TP/PP/EP layout only (it is per model-parallel rank, and experts have an RNG stream per EP rank).
+        The folder must match its manifest (ckpt_manifest.py) unless `trust`. Returns the saved metadata."""
         from megatron.core import dist_checkpointing
 
         check_checkpoint(path, trust)  # before anything in the folder is unpickled
         path = str(path)
         common = dist_checkpointing.load_common_state_dict(path)
         meta = dict(common.get("meta", {}))
-        same_mp = {k: v for k, v in meta.get("layout", {}).items() if k != "dp"} == {
-            k: v for k, v in self._layout().items() if k != "dp"}
+        saved = {"ep": 1, **meta.get("layout", {})}  # checkpoints from before expert parallelism: ep 1
+        same_mp = {k: v for k, v in saved.items() if k != "dp"} == {k: v for k, v in self._layout().items() if k != "dp"}
         with_opt = load_optimizer and self.optimizer is not None
         if with_opt:
             _ensure_adam_state(self.optimizer)  # a never-stepped optimizer has no state to describe
@@ -355,6 +422,22 @@ class MegatronEngine:
         for p in self.module.parameters():
             p.data = p.data.to(self.device, non_blocking=True)
         self._offloaded = False
+
+
+def _mark_expert_params(model: torch.nn.Module) -> None:
+    """Treat the routed experts' parameters as expert-parallel (megatron's `allreduce=False`) at EP=1 too.
+
+    megatron-core marks them only when EP > 1; then DDP reduces their gradients over the expert-data-
+    parallel group and `get_megatron_optimizer` gives them an optimizer of their own (a ChainedOptimizer
+    of dense + expert), whose checkpoint keys differ from a single optimizer's. At EP=1 the expert-data-
+    parallel group is the data-parallel group, so the gradients are the same, and the optimizer state
+    has the same keys at every EP: a checkpoint saved at EP=2 resumes at EP=1 and the reverse."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    for module in model.modules():
+        if isinstance(module, MoELayer):  # its routed experts, whichever implementation (not the shared expert)
+            for p in module.experts.parameters():
+                p.allreduce = False
 
 
 def _inner_optimizers(optimizer: Any) -> list[Any]:

@@ -2,7 +2,8 @@
 `MegatronEngine`. Shared by the policy, reference, critic and reward-model roles.
 
 init_kwargs (from `WorkerGroup(init_kwargs=...)`): `model_path` (HF folder), `dtype` ("float32" |
-"bfloat16"), `micro_batch_size`, `optim` (dict of `OptimSettings` fields), `recompute`, `load_weights`,
+"bfloat16"), `micro_batch_size`, `optim` (dict of `OptimSettings` fields), `ep` (expert-parallel size, MoE
+models), `moe` (`MoEConfig` or a dict of its fields), `recompute`, `load_weights`,
 `offload` (frozen roles on GPU), `pack_sequences` (RL batches. "prefix", the default where the model's
 RoPE takes explicit positions: the samples of one prompt share one copy of it in a row; True (the default
 otherwise): whole sequences packed into rows with block-diagonal attention; False: padded rows. See
@@ -45,7 +46,7 @@ class MegatronWorker(Worker):
 
         c = self.ctx
         init_distributed(c.rank, c.world_size, master_addr, master_port, tp=c.tp, pp=c.pp, backend=c.backend,
-                         timeout_s=c.timeout_s, seed=c.seed)
+                         timeout_s=c.timeout_s, seed=c.seed, ep=int(self.init_kwargs.get("ep", 1)))
         self.dp_rank = ps.get_data_parallel_rank()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
@@ -64,6 +65,7 @@ class MegatronWorker(Worker):
             value_head=self.value_head,
             trainable=self.trainable,
             optim=kw.get("optim"),
+            moe=kw.get("moe"),
             load_weights=kw.get("load_weights", True),
             recompute=kw.get("recompute", False),
         )

@@ -72,7 +72,7 @@ ResponseLoss = Callable[[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, to
 def run_loss(worker: MegatronWorker, micros: list[Micro], loss: MicroLoss, train: bool = True) -> dict[str, float]:
     """`loss` over `micros`: forward only, or with `train` zero_grad, backward and one optimizer step.
     Returns the metrics reduced over DP (on the last PP stage; {} elsewhere), with grad_norm, lr and
-    skipped when training."""
+    skipped when training, and for an MoE model its router metrics (`MegatronEngine.moe_metrics`)."""
     eng = worker.engine
     scale = float(len(micros) * eng.dp_size())
     acc = Metrics()
@@ -84,8 +84,9 @@ def run_loss(worker: MegatronWorker, micros: list[Micro], loss: MicroLoss, train
         eng.zero_grad()
     with worker.onloaded():
         eng.forward_backward(micros, loss_fn, forward_only=not train)
+    moe = eng.moe_metrics(len(micros)) if train else {}
     step = eng.optimizer_step() if train else {}
-    return {**acc.reduce(eng.dp_group(), eng.is_last_stage), **step}
+    return {**acc.reduce(eng.dp_group(), eng.is_last_stage), **moe, **step}
 
 
 def optimize(worker: MegatronWorker, batch: Batch, cfg: UpdateConfig,

@@ -1,0 +1,19 @@
+"""`Micro`: one micro-batch as the Megatron engine runs it (also `workers.megatron.engine.Micro`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Micro:
+    """One micro-batch ready for the model: trimmed token block, masks and the per-sample fields."""
+
+    input_ids: torch.Tensor  # [b, s]
+    position_ids: torch.Tensor  # [b, s]
+    attention_mask: torch.Tensor  # [b, 1, s, s] bool, True = masked
+    fields: dict[str, torch.Tensor]  # per-sample tensors the loss needs (any width)
+    offset: int = 0  # columns trimmed from the left of the original block
+    explicit_positions: bool = False  # RoPE at `position_ids` (rows that are not one contiguous sequence)

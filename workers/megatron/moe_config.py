@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from workers.megatron.cpu_compat import cuda_absent
-
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
 TOKEN_DISPATCHERS = ("auto", "allgather", "alltoall")
 # megatron's aux-loss tracker names of the load-balancing types
@@ -41,6 +39,8 @@ class MoEConfig:
         """The dispatcher megatron builds at pipeline size `pp` (`auto` resolved for this machine)."""
         if self.token_dispatcher != "auto":
             return self.token_dispatcher
+        from workers.megatron.cpu_compat import cuda_absent  # torch: imported only when a model is built
+
         return "alltoall" if pp > 1 or not cuda_absent() else "allgather"
 
     @property

@@ -74,6 +74,8 @@ def test_ppo_two_steps(tmp_path):
     assert len(rows) == 2
     for key in ("reward_mean", "kl", "kl_coef", "critic/vf_loss", "time/critic", "time/reference"):
         assert key in rows[0], key
+    for row in rows:  # old logprobs recomputed (the default): the engine's mismatch to them is logged
+        assert 0 <= row["mismatch/logprob_abs_diff_mean"] <= row["mismatch/logprob_abs_diff_max"] < 1e-3, row
     for row in rows:
         assert 0.0 <= row["eval/rg:basic_arithmetic/accuracy"] <= 1.0 and 0.0 <= row["eval/humaneval/pass@1"] <= 1.0
     latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()

@@ -28,6 +28,7 @@ from .kl import (
 )
 from .losses import entropy_from_logits, lm_loss, logprobs_from_logits, policy_loss, value_loss
 from .masked import masked_mean, masked_sum, masked_var, masked_whiten
+from .mismatch import logprob_mismatch
 from .rewards import (
     RewardFn,
     RewardResult,
@@ -72,6 +73,7 @@ __all__ = [
     "list_advantage_estimators",
     "list_rewards",
     "lm_loss",
+    "logprob_mismatch",
     "logprobs_from_logits",
     "make_kl_controller",
     "masked_mean",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from algorithms.mismatch import logprob_mismatch
 from rlhf.driver.advantages import add_advantages
 from rlhf.driver.context import StepContext, rollout_metrics
 from rlhf.workflow import Roles, loss_config
@@ -46,8 +47,9 @@ def generate_and_score(roles: Roles, ctx: StepContext) -> Batch:
 
 
 def add_logprobs(roles: Roles, batch: Batch, ctx: StepContext) -> Batch:
-    """The reference's logprobs (when there is one) and the behaviour policy's: recomputed by the policy,
-    or the engine's sampled-token logprobs."""
+    """The reference's logprobs (when there is one) and the behaviour policy's: recomputed by the policy
+    (then the step also logs the engine's mismatch to them, `mismatch/*`), or the engine's sampled-token
+    logprobs."""
     if roles.reference is not None:
         with ctx.phase("reference"):
             batch = roles.reference.logprobs(batch, key="ref_logprobs")
@@ -55,7 +57,18 @@ def add_logprobs(roles: Roles, batch: Batch, ctx: StepContext) -> Batch:
         batch["old_logprobs"] = batch["rollout_logprobs"]
         return batch
     with ctx.phase("old_logprobs"):
-        return roles.policy.logprobs(batch, key="old_logprobs")
+        batch = roles.policy.logprobs(batch, key="old_logprobs")
+    ctx.metrics.update(mismatch_metrics(batch))
+    return batch
+
+
+def mismatch_metrics(batch: Batch) -> dict[str, float]:
+    """`mismatch/*`: the engine's sampled-token logprobs against the policy's recomputed old logprobs of the
+    same weights, over the response tokens (algorithms/mismatch.py); empty when either is missing."""
+    if "rollout_logprobs" not in batch or "old_logprobs" not in batch:
+        return {}
+    out = logprob_mismatch(batch["rollout_logprobs"], batch["old_logprobs"], batch["response_mask"])
+    return {f"mismatch/{k}": v for k, v in out.items()}
 
 
 def grpo_step(roles: Roles, ctx: StepContext) -> dict[str, float]:

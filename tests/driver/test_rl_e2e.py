@@ -26,15 +26,16 @@ def metrics(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("zero_copy", [False, True])
-def test_grpo_two_steps(tmp_path, zero_copy):
+@pytest.mark.parametrize("zero_copy,old_logprobs", [(False, "recompute"), (True, "rollout")])
+def test_grpo_two_steps(tmp_path, zero_copy, old_logprobs):
     run = tmp_path / "grpo"
-    # Sampling at temperature 0.7 with the engine's logprobs as the behaviour policy (old_logprobs: rollout):
-    # the policy's logprobs of logits / 0.7 must equal vLLM's processed logprobs, so the first (on-policy)
-    # update sees importance ratios of 1. At step 2 that also shows the engine generated with the weights
-    # of step 1 (synced; with zero_copy the engine computes from the file the policy wrote).
+    # Sampling at temperature 0.7: the policy's logprobs of logits / 0.7 must equal vLLM's processed logprobs.
+    # recompute: the step logs the engine's mismatch to the policy's recomputed old logprobs (mismatch/*).
+    # rollout: the engine's logprobs are the behaviour policy, so the first (on-policy) update sees importance
+    # ratios of 1. At step 2 either shows the engine generated with the weights of step 1 (synced; with
+    # zero_copy the engine computes from the file the policy wrote).
     r = rlhf("train", "configs/grpo_tiny.yaml", *FAST, "trainer.total_steps=2", "trainer.save_every=2",
-             "rollout.temperature=0.7", "algorithm.old_logprobs=rollout", f"trainer.output_dir={run}",
+             "rollout.temperature=0.7", f"algorithm.old_logprobs={old_logprobs}", f"trainer.output_dir={run}",
              f"rollout.zero_copy_weights={str(zero_copy).lower()}")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     rows = metrics(run)
@@ -42,6 +43,11 @@ def test_grpo_two_steps(tmp_path, zero_copy):
     assert [row["step"] for row in steps] == [1, 2]
     for step in steps:
         assert abs(step["ratio_max"] - 1) < 1e-3 and abs(step["ratio_min"] - 1) < 1e-3, step
+        if old_logprobs == "recompute":  # fp32 engine and policy: equal up to rounding
+            assert 0 <= step["mismatch/logprob_abs_diff_mean"] <= step["mismatch/logprob_abs_diff_max"] < 1e-3, step
+            assert 0 <= step["mismatch/kl"] < 1e-5, step
+        else:  # nothing recomputed, nothing to compare
+            assert not any(k.startswith("mismatch/") for k in step), step
     for key in ("reward_mean", "kl", "response_length_mean", "step_time_s", "time/generate", "time/train",
                 "time/sync", "policy_loss", "grad_norm"):
         assert key in steps[0], key
@@ -68,6 +74,8 @@ def test_ppo_two_steps(tmp_path):
     assert len(rows) == 2
     for key in ("reward_mean", "kl", "kl_coef", "critic/vf_loss", "time/critic", "time/reference"):
         assert key in rows[0], key
+    for row in rows:  # old logprobs recomputed (the default): the engine's mismatch to them is logged
+        assert 0 <= row["mismatch/logprob_abs_diff_mean"] <= row["mismatch/logprob_abs_diff_max"] < 1e-3, row
     for row in rows:
         assert 0.0 <= row["eval/rg:basic_arithmetic/accuracy"] <= 1.0 and 0.0 <= row["eval/humaneval/pass@1"] <= 1.0
     latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()

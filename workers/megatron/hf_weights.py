@@ -12,8 +12,9 @@
   HF tensor exactly once. Vocab padding is removed; a tied output layer is not yielded.
 - `write_hf_shards(model, hf_config, target)`: the same result without any collective: this rank copies
   its own TP shard of every parameter into its rows / columns of the full HF tensors `target(name)`
-  returns (e.g. views of a shared-memory file). When every rank of one DP replica does it, the targets
-  hold the full model.
+  returns (e.g. views of a shared-memory file). When every rank of one DP replica writes its dense
+  parameters and every rank of expert-data-parallel rank 0 its routed experts (`shard_writers`), the
+  targets hold the full model: with EP > 1 one DP replica holds only its EP rank's experts.
 """
 
 from __future__ import annotations
@@ -195,20 +196,47 @@ def yielded_hf_names(model: torch.nn.Module, hf_config: Any) -> list[str]:
     return names
 
 
-def write_hf_shards(model: torch.nn.Module, hf_config: Any, target: Callable[[str], torch.Tensor]) -> dict[str, int]:
+def write_hf_shards(model: torch.nn.Module, hf_config: Any, target: Callable[[str], torch.Tensor],
+                    dense: bool = True, experts: bool = True) -> dict[str, int]:
     """Copy this rank's TP shard of every parameter into its part of the full HF tensors `target(name)`
-    (not collective; see the module docstring). Replicated tensors are written by TP rank 0 only; a tied
-    output layer is skipped. Returns {"tensors": parameters written, "bytes": bytes written}."""
+    (not collective; see the module docstring). `dense`: the parameters outside the routed experts;
+    `experts`: this EP rank's routed experts, under their global expert index (`shard_writers` says which
+    a rank writes). Replicated tensors are written by TP rank 0 only; a tied output layer is skipped.
+    Returns {"tensors": parameters written, "bytes": bytes written}."""
     d = Dims.from_hf(hf_config)
     tp_rank, tp, _ = tp_layout()
+    etp_rank, etp = expert_tp_layout()
     n = nbytes = 0
     for b in bind(model, hf_config):
-        if b.alias or (b.kind == REPLICATED and tp_rank != 0):
+        if b.alias or not (experts if b.expert else dense):
+            continue
+        rank, size = (etp_rank, etp) if b.expert else (tp_rank, tp)
+        if b.kind == REPLICATED and rank != 0:
             continue
         out = [target(name) for name in b.hf_names]
-        nbytes += shard_into_hf(b.kind, b.param.detach(), out, d, tp_rank, tp) * out[0].element_size()
+        nbytes += shard_into_hf(b.kind, b.param.detach(), out, d, rank, size) * out[0].element_size()
         n += 1
     return {"tensors": n, "bytes": nbytes}
+
+
+def shard_writers() -> tuple[bool, bool]:
+    """(dense, experts): what this rank writes with `write_hf_shards` so that the ranks together write every
+    tensor once: the dense parameters on DP replica 0, the routed experts on expert-data-parallel rank 0
+    (with EP > 1 these are EP ranks 0..ep-1, each holding its own experts; with EP 1 the same ranks as dense)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return True, True
+    return ps.get_data_parallel_rank() == 0, ps.get_expert_data_parallel_rank() == 0
+
+
+def expert_tp_layout() -> tuple[int, int]:
+    """(rank, size) of this rank's expert tensor-parallel group ((0, 1) without megatron state)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 0, 1
+    return ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
 
 
 def is_hf_weight_source() -> bool:

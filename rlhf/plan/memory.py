@@ -197,8 +197,8 @@ def layer_activation_per_token(m: ModelSpec, layer: int, lay: Layout, s: int, op
         heads = m.heads
     if lay.recompute == "none" and not opt.flash_attention:
         split += heads * s * (e + mask + (e if opt.dropout else 0))  # softmax out (+ dropout mask and out)
-    else:
-        split += 4 * heads  # fp32 log-sum-exp of flash attention / nothing under selective recompute
+    elif opt.flash_attention:
+        split += 4 * heads  # flash attention's fp32 log-sum-exp (selective recompute without it: nothing)
     own = 0.0  # already per rank: the routed experts' hidden activations, split by expert-TP
     if m.is_moe_layer(layer):
         replicated += 8 * m.experts + 2 * e * h * m.topk  # fp32 router logits and probs; top-k token copies

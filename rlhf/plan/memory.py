@@ -95,7 +95,8 @@ def rank_layers(layers: int, pp: int, vpp: int, rank: int) -> list[int]:
     split gives the first chunks one layer more."""
     chunks = pp * vpp
     base, extra = divmod(layers, chunks)
-    out, start = [], 0
+    out: list[int] = []
+    start = 0
     for c in range(chunks):
         n = base + (1 if c < extra else 0)
         if c % pp == rank:
@@ -136,7 +137,7 @@ def total_params(m: ModelSpec) -> int:
 def active_params(m: ModelSpec) -> float:
     """Parameters that touch each token in matmuls (the output layer yes, the embedding lookup no): routed
     experts count topk / experts."""
-    n = m.vocab * m.hidden
+    n = float(m.vocab * m.hidden)
     for i in range(m.layers):
         mlp = mlp_params(m, i, 1, 1, 1)
         n += attention_params(m, 1) + mlp.dense + (mlp.expert * m.topk / m.experts if m.experts else 0)
@@ -181,20 +182,20 @@ class ActOptions:
     gated: bool = True  # SwiGLU (every model family here)
 
 
-def layer_activation_per_token(m: ModelSpec, layer: int, lay: Layout, s: int, opt: ActOptions) -> float:
+def layer_activation_per_token(m: ModelSpec, layer: int, lay: Layout, s: float, opt: ActOptions) -> float:
     """Bytes one layer keeps for backward, per token of a micro-batch on this rank (s = the sequence length
     one rank sees, after CP). Korthikanti et al. eq. 1-2 term by term (module docstring)."""
     e, h, t = opt.elem, m.hidden, lay.tp
     mask = 1 if opt.dropout else 0
     # Not TP-split (divided by t only with SP): two norm inputs, QKV input, MLP input, two dropout masks.
     replicated = 2 * e * h + e * h + e * h + 2 * mask * h
+    split: float
     if m.mla:
         replicated += e * (2 * m.q_lora + 2 * (m.kv_lora + m.qk_rope))  # low-rank activations (not TP-split)
         split = e * m.heads * (2 * (m.qk_nope + m.qk_rope) + 2 * m.v_dim)  # Q, K, V, projection input
-        heads = m.heads
     else:
         split = e * (m.heads + 2 * m.kv_heads) * m.head_dim + e * m.heads * m.head_dim  # Q, K, V, proj input
-        heads = m.heads
+    heads = m.heads
     if lay.recompute == "none" and not opt.flash_attention:
         split += heads * s * (e + mask + (e if opt.dropout else 0))  # softmax out (+ dropout mask and out)
     elif opt.flash_attention:

@@ -10,7 +10,7 @@ def _row(rank: str, p: Plan) -> str:
     b = p.memory
     cells = [b.params, b.grads, b.optimizer, b.activations, b.kv_cache, b.buffers, b.total]
     return (f"{rank:>4} {p.layout.short():<42} " + " ".join(f"{c / GIB:7.1f}" for c in cells)
-            + f" {p.time.total:9.2f}  {'yes' if p.runnable_today else 'no'}")
+            + f" {p.time.total:9.3g}  {'yes' if p.runnable_today else 'no'}")
 
 
 def render(req: Request, fitting: list[Plan], top: int) -> str:

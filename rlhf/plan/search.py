@@ -145,7 +145,8 @@ class Planner:
         best_pc = ParamCount()
         for rank in self._candidate_ranks(lay.pp, lay.vpp):
             pc = self._params(lay.tp, lay.pp, lay.vpp, lay.ep, lay.etp, rank, False)
-            b = Breakdown(**state_bytes(pc, lay, req.param_bytes, True))
+            st = state_bytes(pc, lay, req.param_bytes, True)
+            b = Breakdown(params=st["params"], grads=st["grads"], optimizer=st["optimizer"])
             b.activations = self._activations(lay, rank, micro)
             if "reference" in roles:
                 b.params += pc.total * req.param_bytes

@@ -180,6 +180,10 @@ class ActOptions:
     flash_attention: bool = True  # GPU attention kernels: no s^2 scores stored
     dropout: bool = False  # our models train without dropout: no masks
     gated: bool = True  # SwiGLU (every model family here)
+    # The unfused paths megatron's local spec takes on CPU (bench/memory.py shows them in the saved tensors):
+    norm_bytes: float = 0.0  # bytes a norm keeps per input element (0: elem; torch's CPU RMSNorm keeps 2 fp32)
+    softmax_extra: int = 0  # bytes per score beyond elem (4: a 16-bit model's fp32 softmax output)
+    fused_swiglu: bool = True  # False: SiLU's output is kept too (F more per token)
 
 
 def layer_activation_per_token(m: ModelSpec, layer: int, lay: Layout, s: float, opt: ActOptions) -> float:
@@ -188,7 +192,7 @@ def layer_activation_per_token(m: ModelSpec, layer: int, lay: Layout, s: float, 
     e, h, t = opt.elem, m.hidden, lay.tp
     mask = 1 if opt.dropout else 0
     # Not TP-split (divided by t only with SP): two norm inputs, QKV input, MLP input, two dropout masks.
-    replicated = 2 * e * h + e * h + e * h + 2 * mask * h
+    replicated = 2 * (opt.norm_bytes or e) * h + e * h + e * h + 2 * mask * h
     split: float
     if m.mla:
         replicated += e * (2 * m.q_lora + 2 * (m.kv_lora + m.qk_rope))  # low-rank activations (not TP-split)
@@ -197,7 +201,7 @@ def layer_activation_per_token(m: ModelSpec, layer: int, lay: Layout, s: float, 
         split = e * (m.heads + 2 * m.kv_heads) * m.head_dim + e * m.heads * m.head_dim  # Q, K, V, proj input
     heads = m.heads
     if lay.recompute == "none" and not opt.flash_attention:
-        split += heads * s * (e + mask + (e if opt.dropout else 0))  # softmax out (+ dropout mask and out)
+        split += heads * s * (e + opt.softmax_extra + mask + (e if opt.dropout else 0))  # softmax (+ dropout)
     elif opt.flash_attention:
         split += 4 * heads  # flash attention's fp32 log-sum-exp (selective recompute without it: nothing)
     own = 0.0  # already per rank: the routed experts' hidden activations, split by expert-TP
@@ -207,7 +211,7 @@ def layer_activation_per_token(m: ModelSpec, layer: int, lay: Layout, s: float, 
         if m.shared_ffn:
             split += 3 * e * m.shared_ffn
     else:
-        split += (3 if opt.gated else 2) * e * m.ffn
+        split += ((3 if opt.fused_swiglu else 4) if opt.gated else 2) * e * m.ffn
     return (replicated / t if lay.sp else replicated) + split / t + own
 
 

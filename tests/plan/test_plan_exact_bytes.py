@@ -26,7 +26,8 @@ def test_state_bytes_exact(dirs, tp, pp, dp):
     dist_opt = dp > 1
     # The engine cannot build an MoE model with PP > 1 on CPU (its alltoall dispatcher needs a CUDA stream).
     presets = PRESETS if pp == 1 else PRESETS[:2]
-    ranks = run_distributed(engine_state_bytes, tp * pp * dp, args=(dirs[: len(presets)], dist_opt), tp=tp, pp=pp)
+    ranks = run_distributed(engine_state_bytes, tp * pp * dp, args=(dirs[: len(presets)], dist_opt), tp=tp, pp=pp,
+                            timeout_s=900)
     lay = Layout(tp=tp, pp=pp, dp=dp, etp=tp, dist_opt=dist_opt)
     for i, preset in enumerate(presets):
         m = load_model(preset)

@@ -25,6 +25,7 @@ COMMAND_MODULES = [
     "rlhf.commands.train",
     "rlhf.commands.generate",
     "rlhf.commands.eval",
+    "rlhf.commands.plan",
 ]
 
 

@@ -1,4 +1,4 @@
-"""`rlhf train CONFIG [KEY=VALUE ...]`: run a GRPO, PPO, SFT or pretraining config."""
+"""`rlhf train CONFIG [OVERLAY.yaml ...] [KEY=VALUE ...]`: run a GRPO, PPO, SFT or pretraining config."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import argparse
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train with a YAML config (algorithm.name: grpo | ppo | sft | pretrain)")
     p.add_argument("config", help="YAML preset, e.g. configs/grpo_tiny.yaml")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=5")
+    p.add_argument("overrides", nargs="*",
+                   help="overlay YAML files (e.g. from `rlhf plan --out`, merged in order) and dotted overrides, "
+                        "e.g. trainer.total_steps=5")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint (trainer.resume=auto)")
     p.add_argument("--force", action="store_true",
                    help="start afresh in an output folder that holds a run, after moving it to <dir>.old-<time>")
@@ -32,14 +34,15 @@ def run(args: argparse.Namespace) -> int:
     from rlhf.driver.prepare import prepare_inputs
     from rlhf.driver.run_dir import claim_output_dir
 
-    overrides = list(args.overrides)
+    overlays = [o for o in args.overrides if "=" not in o and o.endswith((".yaml", ".yml"))]
+    overrides = [o for o in args.overrides if o not in overlays]
     if args.resume:
         overrides.append("trainer.resume=auto")
     if args.address:
         overrides.append(f"trainer.ray_address={args.address}")
     if args.trust_checkpoint:
         overrides.append("trainer.trust_checkpoint=true")
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides, overlays=overlays)
     aside = claim_output_dir(cfg.trainer.output_dir, resume=cfg.trainer.resume == "auto", force=args.force)
     if aside is not None:
         print(f"moved the previous run in {cfg.trainer.output_dir} to {aside}", flush=True)

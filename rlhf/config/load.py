@@ -78,11 +78,15 @@ def _merge(base: Any, update: Any, source: str) -> Any:
         raise ConfigError(f"{source}: {str(e).splitlines()[0]}") from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None, validate: bool = True) -> RunConfig:
-    """Build a `RunConfig` from a YAML file and `KEY=VALUE` overrides; raise ConfigError on anything bad."""
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, validate: bool = True,
+                overlays: list[str | Path] | None = None) -> RunConfig:
+    """Build a `RunConfig` from a YAML file, overlay YAML files merged over it in order (e.g. one written by
+    `rlhf plan`) and `KEY=VALUE` overrides; raise ConfigError on anything bad."""
     cfg = OmegaConf.structured(RunConfig)
     if path is not None:
         cfg = _merge(cfg, _read_yaml(path), f"config file {path}")
+    for overlay in overlays or []:
+        cfg = _merge(cfg, _read_yaml(overlay), f"config file {overlay}")
     if overrides:
         dotlist = _parse_overrides(overrides)
         try:

@@ -1,0 +1,61 @@
+"""`rlhf plan` end to end: the table, the overlay `rlhf train` loads, and one-line errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from rlhf.cli import main
+from rlhf.config import load_config
+
+
+def test_plan_writes_an_overlay_train_loads(tmp_path, capsys):
+    out = tmp_path / "overlay.yaml"
+    rc = main(["plan", "--model", "small-qwen2", "--nodes", "1", "--gpus-per-node", "4", "--gpu-mem", "24GiB",
+               "--seq-len", "1024", "--global-batch", "32", "--roles", "policy,reference,rollout", "--colocate",
+               "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "params" in text and "optim" in text and "acts" in text and "kv" in text and "step s" in text
+    assert "use: rlhf train CONFIG" in text
+    overlay = yaml.safe_load(out.read_text())
+    assert set(overlay) == {"policy", "reference", "rollout"}
+    par = overlay["policy"]["parallel"]
+    assert par["tp"] * par["pp"] * par["dp"] == 4
+    # usable as `rlhf train CONFIG OVERLAY`: the schema accepts every key, and the values arrive
+    cfg = load_config("configs/grpo_tiny.yaml", ["trainer.total_steps=1"], validate=False, overlays=[out])
+    assert cfg.policy.parallel.tp == par["tp"] and cfg.reference.parallel.pp == par["pp"]
+    assert cfg.rollout.tp == overlay["rollout"]["tp"] and cfg.policy.dtype == "bfloat16"
+    assert cfg.trainer.total_steps == 1  # KEY=VALUE overrides still apply after the overlay
+
+
+def test_model_that_fits_nowhere_says_by_how_much(capsys):
+    # Qwen2.5-32B on one 80 GiB GPU: 65 GB of bf16 weights and 131 GB of fp32 gradients fit on no layout
+    rc = main(["plan", "--model", "Qwen2.5-32B", "--nodes", "1", "--gpus-per-node", "1", "--seq-len", "4096",
+               "--global-batch", "8"])
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "does not fit on 1 x 80 GiB" in err and "GiB over the usable 76.0 GiB" in err
+    assert "largest share is gradients" in err and "the lever that helps most: twice the GPUs (2 nodes)" in err
+
+
+def test_bad_input_is_one_line(tmp_path, capsys):
+    assert main(["plan", "--model", str(tmp_path / "nope")]) == 2
+    assert "is not a folder, a preset" in capsys.readouterr().err
+    assert main(["plan", "--model", "tiny-qwen2", "--roles", "policy,judge"]) == 2
+    assert "--roles" in capsys.readouterr().err
+    bad = tmp_path / "m"
+    bad.mkdir()
+    (bad / "config.json").write_text("{ not json")
+    assert main(["plan", "--model", str(bad)]) == 2
+    assert "config.json line 1 is not valid JSON" in capsys.readouterr().err
+    assert main(["plan", "--model", "tiny-qwen2", "--gpu-mem", "lots"]) == 2
+    assert "--gpu-mem" in capsys.readouterr().err
+
+
+def test_train_names_a_missing_overlay(tmp_path, capsys):
+    missing = Path(tmp_path) / "overlay.yaml"
+    assert main(["train", "configs/grpo_tiny.yaml", str(missing)]) == 2
+    assert f"config file {missing} does not exist" in capsys.readouterr().err

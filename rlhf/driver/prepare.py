@@ -3,8 +3,8 @@
 - `data.task` (one of `TASKS`) with no `data.train_file`: the example task's files are generated under the run
   dir (RL prompts, SFT conversations, for arithmetic pretraining text and its Megatron indexed form).
 - `model.preset` with no `model.path`: the tiny model is created under the run dir, then warm-started with a
-  short plain SFT when `model.warm_start_steps > 0`: on the task's Q/A pairs, or for a task whose SFT file
-  holds multi-turn traces (multiply_tool: calculator calls and their results), on those conversations.
+  short plain SFT when `model.warm_start_steps > 0`: on the task's Q/A pairs, or on its SFT conversations
+  (multiply_tool: calculator-call traces with their results; code_functions: reference solutions).
 Everything generated is reused when it already exists, so a resumed run starts from the same files.
 """
 
@@ -20,11 +20,12 @@ from rlhf.errors import ConfigError
 if TYPE_CHECKING:
     from rlhf.data.prompts import PromptLimit
 
-# data.task -> (module:function writing its files, default val_size, warm start on the SFT traces)
+# data.task -> (module:function writing its files, default val_size, whether the warm start trains on the SFT
+# file's conversations (tool-call traces, reference code) rather than the RL file's (prompt, answer) pairs)
 TASKS = {
     "arithmetic": ("rlhf.data.arithmetic:write_arithmetic_data", 200, False),
     "multiply_tool": ("rlhf.data.tool_tasks:write_multiply_tool_data", 200, True),
-    "code_functions": ("rlhf.data.code_tasks:write_code_data", 100, False),
+    "code_functions": ("rlhf.data.code_tasks:write_code_data", 100, True),
 }
 
 
@@ -95,8 +96,8 @@ def _model(cfg: RunConfig, out: Path) -> None:
 
 
 def _warm_start_items(cfg: RunConfig, out: Path) -> list:
-    """What the warm start trains on: the RL train file's (prompt, answer) pairs, or, for a task with
-    multi-turn traces, the conversations of its SFT train file."""
+    """What the warm start trains on: the RL train file's (prompt, answer) pairs, or the conversations of the
+    task's SFT train file (multi-turn tool-call traces; code tasks, whose RL answer is the hidden tests)."""
     from rlhf.data.prompts import load_prompt_dataset
 
     if cfg.data.task in TASKS and TASKS[cfg.data.task][2]:

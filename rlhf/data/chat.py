@@ -57,7 +57,7 @@ def normalize_conversation(record: dict, where: str) -> list[dict[str, str]]:
             raise UserError(f"{where}: turn {i} is {type(turn).__name__}, expected an object")
         role = turn.get(role_key, turn.get("role"))
         text = turn.get(text_key, turn.get("content"))
-        if ROLE_MAP.get(role) == "assistant" and turn.get("tool_calls"):
+        if role in ROLE_MAP and ROLE_MAP[role] == "assistant" and turn.get("tool_calls"):
             text = (text or "") + _tool_call_text(turn["tool_calls"], f"{where}: turn {i}")
         if role not in ROLE_MAP:
             raise UserError(f"{where}: turn {i} has role {role!r}; expected one of {', '.join(ROLE_MAP)}")

@@ -37,6 +37,7 @@ class Example:
     metric: str  # the evaluated curve, read from metrics.jsonl
     check: Callable[[Curve], str | None]  # None when the curve meets the promise, else why not
     promise: str
+    extras: tuple[str, ...] = ()  # metrics shown beside the curve, from the last evaluation that logged them
 
 
 def _points(curve: Curve) -> tuple[float, float, float]:
@@ -58,6 +59,17 @@ def ppo_learned(curve: Curve) -> str | None:
     return None if end - start >= 0.05 else f"accuracy {start:.1%} -> last two {end:.1%} (want +5 points)"
 
 
+def tools_learned(curve: Curve) -> str | None:
+    """+20 points at the best evaluation (the issue's promise for the calculator example)."""
+    start, best, _ = _points(curve)
+    return None if best - start >= 0.20 else f"accuracy {start:.1%} -> best {best:.1%} (want +20 points)"
+
+
+def ran(curve: Curve) -> None:
+    """The smoke example's promise: it trains and evaluates (learning is not promised)."""
+    return None
+
+
 def loss_fell(curve: Curve) -> str | None:
     start, end = curve[0][1], curve[-1][1]
     return None if end < 0.8 * start else f"held-out loss {start:.3f} -> {end:.3f} (want below 80% of the first)"
@@ -66,6 +78,11 @@ def loss_fell(curve: Curve) -> str | None:
 EXAMPLES = [
     Example("grpo_tiny", "val/accuracy", grpo_learned, "greedy accuracy +25 points (best), +20 (last two)"),
     Example("ppo_tiny", "val/accuracy", ppo_learned, "greedy accuracy +5 points (last two)"),
+    Example("grpo_tiny_tools", "val/accuracy", tools_learned, "greedy accuracy +20 points (best), calculator tool",
+            ("val/agent/tool_calls_per_trajectory", "val/agent/tool_errors", "agent/tool_calls_per_trajectory",
+             "agent/tool_errors")),
+    Example("grpo_tiny_code", "val/accuracy", ran, "runs: sandboxed unit-test reward, pass rate reported",
+            ("val/reward_mean", "reward_mean")),
     Example("sft_tiny", "val/loss", loss_fell, "held-out loss below 80% of the first evaluation"),
     Example("pretrain_tiny", "val/loss", loss_fell, "held-out loss below 80% of the first evaluation"),
 ]
@@ -84,10 +101,12 @@ def train(example: Example, out: Path) -> dict:
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()] if rc == 0 else []
     curve = [(r["step"], float(r[example.metric])) for r in rows if example.metric in r]
     steps = [r["step_time_s"] for r in rows if "step_time_s" in r]
+    extras = {k: next((float(r[k]) for r in reversed(rows) if k in r), float("nan")) for k in example.extras}
     failure = (f"`rlhf train` exited {rc} (log: {out.parent / (example.name + '.log')})" if rc
                else "fewer than two evaluations" if len(curve) < 2 else example.check(curve))
     return {"curve": curve, "wall_s": wall, "steps": max((r["step"] for r in rows), default=0),
-            "median_step_s": statistics.median(steps) if steps else float("nan"), "failure": failure}
+            "median_step_s": statistics.median(steps) if steps else float("nan"), "failure": failure,
+            "extras": extras}
 
 
 def head_commit() -> str:
@@ -108,6 +127,8 @@ def row(example: Example, res: dict, stamp: str) -> str:
     shown = f"{fmt(curve[0][1])} -> {fmt(curve[-1][1])}" if curve else "-"
     if pct and len(curve) > 1:
         shown += f" (best {fmt(max(v for _, v in curve[1:]))})"
+    if res.get("extras"):
+        shown += "; last " + ", ".join(f"{k} {v:.3g}" for k, v in res["extras"].items())
     verdict = "**fail**: " + res["failure"] if res["failure"] else "pass"
     return (f"| `{example.name}` | {example.metric} {shown} | {res['steps']} | {res['median_step_s']:.3f} s "
             f"| {res['wall_s'] / 60:.1f} min | {example.promise} | {verdict} | {stamp} |")

@@ -1,15 +1,22 @@
 """Conversations for SFT: ShareGPT / OpenAI records -> messages -> token ids + assistant mask.
 
 Accepted records (one per jsonl line):
-- OpenAI: `{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}`
-- ShareGPT: `{"conversations": [{"from": "system"|"human"|"gpt", "value": str}, ...]}` (also
+- OpenAI: `{"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...]}`
+- ShareGPT: `{"conversations": [{"from": "system"|"human"|"gpt"|"tool", "value": str}, ...]}` (also
   `user`/`assistant` as `from`), with an optional top-level `"system": str`.
+Tool use (agent traces): an assistant turn may carry OpenAI `tool_calls`
+(`[{"function": {"name", "arguments"}}]`, arguments an object or a JSON string); they are written into its
+content as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the format the agent loop
+(workers/agent/toolcalls.py) parses, so SFT teaches exactly the text the rollout reads. `tool` turns (tool
+results) are context, like user turns.
 The assistant mask marks the tokens of each assistant turn's content and its end-of-turn token: from the
-template's `{% generation %}` markers when present, else by rendering each conversation prefix.
+template's `{% generation %}` markers when present, else by rendering each conversation prefix. Tool results,
+user turns and the template's glue are never trained on.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -23,7 +30,11 @@ ROLE_MAP = {
     "user": "user",
     "gpt": "assistant",
     "assistant": "assistant",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
 }
+OPEN_CALL, CLOSE_CALL = "<tool_call>", "</tool_call>"  # as workers/agent/toolcalls.py parses them
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -46,6 +57,8 @@ def normalize_conversation(record: dict, where: str) -> list[dict[str, str]]:
             raise UserError(f"{where}: turn {i} is {type(turn).__name__}, expected an object")
         role = turn.get(role_key, turn.get("role"))
         text = turn.get(text_key, turn.get("content"))
+        if role in ROLE_MAP and ROLE_MAP[role] == "assistant" and turn.get("tool_calls"):
+            text = (text or "") + _tool_call_text(turn["tool_calls"], f"{where}: turn {i}")
         if role not in ROLE_MAP:
             raise UserError(f"{where}: turn {i} has role {role!r}; expected one of {', '.join(ROLE_MAP)}")
         if not isinstance(text, str):
@@ -54,6 +67,26 @@ def normalize_conversation(record: dict, where: str) -> list[dict[str, str]]:
     if not any(m["role"] == "assistant" for m in messages):
         raise UserError(f"{where}: the conversation has no assistant turn (nothing to train on)")
     return messages
+
+
+def _tool_call_text(calls: Any, where: str) -> str:
+    """OpenAI `tool_calls` as the `<tool_call>{json}</tool_call>` blocks the agent loop parses."""
+    if not isinstance(calls, list):
+        raise UserError(f"{where}: tool_calls must be a list")
+    out = []
+    for call in calls:
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        args = fn.get("arguments", {}) if isinstance(fn, dict) else None
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                args = None
+        if not isinstance(name, str) or not name or not isinstance(args, dict):
+            raise UserError(f"{where}: a tool call needs a string name and object arguments, got {call!r:.80}")
+        out.append(OPEN_CALL + json.dumps({"name": name, "arguments": args}) + CLOSE_CALL)
+    return "".join(out)
 
 
 def has_generation_markers(tokenizer) -> bool:

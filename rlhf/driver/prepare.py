@@ -1,9 +1,10 @@
 """Inputs of a run, made ready before any worker starts: task data, the model folder, the reward function.
 
-- `data.task: arithmetic` with no `data.train_file`: the example task's files are generated under the run dir
-  (RL prompts, SFT conversations, pretraining text and its Megatron indexed form).
+- `data.task` (one of `TASKS`) with no `data.train_file`: the example task's files are generated under the run
+  dir (RL prompts, SFT conversations, for arithmetic pretraining text and its Megatron indexed form).
 - `model.preset` with no `model.path`: the tiny model is created under the run dir, then warm-started with a
-  short plain SFT when `model.warm_start_steps > 0`.
+  short plain SFT when `model.warm_start_steps > 0`: on the task's Q/A pairs, or on its SFT conversations
+  (multiply_tool: calculator-call traces with their results; code_functions: reference solutions).
 Everything generated is reused when it already exists, so a resumed run starts from the same files.
 """
 
@@ -19,18 +20,29 @@ from rlhf.errors import ConfigError
 if TYPE_CHECKING:
     from rlhf.data.prompts import PromptLimit
 
-TASKS = ("arithmetic",)
+# data.task -> (module:function writing its files, default val_size, whether the warm start trains on the SFT
+# file's conversations (tool-call traces, reference code) rather than the RL file's (prompt, answer) pairs)
+TASKS = {
+    "arithmetic": ("rlhf.data.arithmetic:write_arithmetic_data", 200, False),
+    "multiply_tool": ("rlhf.data.tool_tasks:write_multiply_tool_data", 200, True),
+    "code_functions": ("rlhf.data.code_tasks:write_code_data", 100, True),
+}
 
 
 def _task_data(cfg: RunConfig, out: Path) -> None:
     d = cfg.data
     if d.task not in TASKS:
         raise ConfigError(f"data.task: expected one of {', '.join(TASKS)} or null, got {d.task!r}")
-    from rlhf.data.arithmetic import write_arithmetic_data
+    if cfg.algorithm.name == "pretrain" and d.task != "arithmetic":
+        raise ConfigError(f"data.task: {d.task} has no pretraining text (only arithmetic has)")
+    import importlib
 
+    spec, default_val, _ = TASKS[d.task]
+    module, _, fn = spec.partition(":")
+    write = getattr(importlib.import_module(module), fn)
     data_dir = out / "data"
     if not (data_dir / "rl_val.jsonl").is_file():
-        write_arithmetic_data(data_dir, seed=d.seed, val_size=d.val_size or 200)
+        write(data_dir, seed=d.seed, val_size=d.val_size or default_val)
     if cfg.algorithm.name in ("grpo", "ppo"):
         d.train_file, d.val_file, d.val_size = str(data_dir / "rl_train.jsonl"), str(data_dir / "rl_val.jsonl"), 0
     elif cfg.algorithm.name == "sft":
@@ -72,17 +84,30 @@ def _model(cfg: RunConfig, out: Path) -> None:
         if not (warm / "model.safetensors").is_file():
             if not cfg.data.task:
                 raise ConfigError("model.warm_start_steps needs data.task (the task's Q/A pairs to fine-tune on)")
-            from rlhf.data.prompts import load_prompt_dataset
             from rlhf.driver.warmstart import sft_warm_start
 
-            train, _ = load_prompt_dataset(cfg.data.train_file, answer_key=cfg.data.answer_key, seed=cfg.data.seed)
-            pairs = [(p["prompt"] or p["messages"], p["ground_truth"]) for p in train]
+            pairs = _warm_start_items(cfg, out)
             shutil.rmtree(warm, ignore_errors=True)
             tmp = warm.with_name(warm.name + ".tmp")
             sft_warm_start(base, pairs, tmp, steps=m.warm_start_steps, batch_size=m.warm_start_batch,
                            lr=m.warm_start_lr, seed=cfg.trainer.seed)
             tmp.rename(warm)
         m.path = str(warm)
+
+
+def _warm_start_items(cfg: RunConfig, out: Path) -> list:
+    """What the warm start trains on: the RL train file's (prompt, answer) pairs, or the conversations of the
+    task's SFT train file (multi-turn tool-call traces; code tasks, whose RL answer is the hidden tests)."""
+    from rlhf.data.prompts import load_prompt_dataset
+
+    if cfg.data.task in TASKS and TASKS[cfg.data.task][2]:
+        from rlhf.data.chat import normalize_conversation
+        from rlhf.data.jsonl import read_jsonl
+
+        path = out / "data" / "sft_train.jsonl"
+        return [normalize_conversation(rec, f"{path}:{n}") for n, rec in read_jsonl(path)]
+    train, _ = load_prompt_dataset(cfg.data.train_file, answer_key=cfg.data.answer_key, seed=cfg.data.seed)
+    return [(p["prompt"] or p["messages"], p["ground_truth"]) for p in train]
 
 
 def prompt_limit(cfg: RunConfig) -> PromptLimit | None:
@@ -149,7 +174,8 @@ def prepare_inputs(cfg: RunConfig) -> RunConfig:
         if cfg.reward.fn and not cfg.reward.model_path:
             resolve_reward_fn(cfg.reward.fn)
         if not cfg.data.train_file:
-            raise ConfigError("data.train_file: expected a jsonl or parquet prompt file (or data.task: arithmetic)")
+            raise ConfigError(f"data.train_file: expected a jsonl or parquet prompt file (or data.task: one of "
+                              f"{', '.join(TASKS)})")
         load_rl_prompts(cfg, report=False, check_lengths=False)  # a bad file fails before any model work
         _check_eval_tasks(cfg)
     _model(cfg, out)

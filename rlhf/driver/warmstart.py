@@ -1,7 +1,8 @@
 """A small plain-PyTorch SFT loop on an HF model: the warm start of the RL examples.
 
 It trains on (prompt, answer) pairs with the loss on the answer and the end-of-turn token only (the LM
-loss of the Megatron step, `workers.roles.lm.masked_token_nll`), and saves an HF folder. The full SFT
+loss of the Megatron step, `workers.roles.lm.masked_token_nll`), or on whole conversations (tool-call traces:
+the loss on every assistant turn, as `rlhf.data.chat` masks SFT data), and saves an HF folder. The full SFT
 stage on the Megatron backend lives in the SFT driver; this loop exists so a policy can be warm-started
 in seconds inside tests and examples.
 """
@@ -23,9 +24,21 @@ def _encode(tok, prompt: str | list, answer: str) -> tuple[list[int], list[int]]
     return list(p_ids), a_ids
 
 
-def sft_warm_start(model_dir: str | Path, pairs: list[tuple[str | list, str]], out_dir: str | Path,
-                   steps: int = 300, batch_size: int = 128, lr: float = 1e-3, seed: int = 0) -> Path:
-    """Fine-tune `model_dir` on `pairs` for `steps` AdamW steps and save the result to `out_dir`."""
+def _encode_item(tok, item: tuple[str | list, str] | list[dict]) -> tuple[list[int], list[int]]:
+    """(ids, target): target[t] is 1 where token t is trained (the answer, or every assistant turn)."""
+    if isinstance(item, list):  # a conversation
+        from rlhf.data.chat import tokenize_conversation
+
+        return tokenize_conversation(tok, item)
+    p, a = _encode(tok, *item)
+    return p + a, [0] * len(p) + [1] * len(a)
+
+
+def sft_warm_start(model_dir: str | Path, pairs: list[tuple[str | list, str]] | list[list[dict]],
+                   out_dir: str | Path, steps: int = 300, batch_size: int = 128, lr: float = 1e-3,
+                   seed: int = 0) -> Path:
+    """Fine-tune `model_dir` for `steps` AdamW steps on `pairs` ((prompt, answer) pairs, or conversations as
+    message lists) and save the result to `out_dir`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from workers.roles.lm import masked_token_nll
@@ -35,20 +48,19 @@ def sft_warm_start(model_dir: str | Path, pairs: list[tuple[str | list, str]], o
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
-    encoded = [_encode(tok, p, a) for p, a in pairs]
+    encoded = [_encode_item(tok, item) for item in pairs]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / steps))
     pad = tok.pad_token_id
     for _ in range(steps):
         items = [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)]
-        width = max(len(p) + len(a) for p, a in items)
+        width = max(len(seq) for seq, _ in items)
         ids = torch.full((batch_size, width), pad, dtype=torch.long)
         target = torch.zeros((batch_size, width))  # 1 on the answer tokens and the end of turn
         attn = torch.zeros((batch_size, width), dtype=torch.long)
-        for i, (p, a) in enumerate(items):
-            seq = p + a
+        for i, (seq, trained) in enumerate(items):
             ids[i, : len(seq)] = torch.tensor(seq)
-            target[i, len(p): len(seq)] = 1.0
+            target[i, : len(seq)] = torch.tensor(trained, dtype=torch.float32)
             attn[i, : len(seq)] = 1
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
         logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]

@@ -199,3 +199,24 @@ def test_environment_turns_are_masked_and_rewarded(engine):
     trajs, metrics = run_agent(llm, tok, messages, prompts.ids, params, 6,
                                Agent(AgentOptions(max_turns=3, max_total_tokens=200, env_reward="last"), {}, env=_Flaky))
     assert metrics["agent/env_errors"] == 3 and all(t.rewards == [0.5] and t.turns == 2 for t in trajs)
+
+
+def test_agent_metrics_merge_across_engines():
+    """Counts add up; per-trajectory means are weighted by each engine's trajectories (3 and 1 here), so
+    the merged mean is the mean over all 4; a kind one engine never saw counts 0 there."""
+    from workers.rollout.group import _merge_info
+
+    a = {"agent/turns_mean": 2.0, "agent/tool_calls": 6.0, "agent/tool_calls_per_trajectory": 2.0,
+         "agent/tool_errors": 1.0, "agent/tool_errors/timeout": 1.0, "agent/tool_time_s": 0.5,
+         "agent/truncated": 1 / 3, "rollout/response_tokens": 30, "rollout/generate_s": 1.0}
+    b = {"agent/turns_mean": 1.0, "agent/tool_calls": 0.0, "agent/tool_calls_per_trajectory": 0.0,
+         "agent/tool_errors": 2.0, "agent/tool_errors/malformed": 2.0, "agent/tool_time_s": 0.25,
+         "agent/truncated": 0.0, "rollout/response_tokens": 10, "rollout/generate_s": 2.0}
+    m = _merge_info([a, b], [3, 1])
+    assert m["agent/turns_mean"] == pytest.approx((2.0 * 3 + 1.0) / 4)
+    assert m["agent/tool_calls_per_trajectory"] == pytest.approx(6.0 / 4) == pytest.approx(m["agent/tool_calls"] / 4)
+    assert m["agent/truncated"] == pytest.approx(1 / 4)
+    assert (m["agent/tool_calls"], m["agent/tool_errors"], m["agent/tool_time_s"]) == (6.0, 3.0, 0.75)
+    assert (m["agent/tool_errors/timeout"], m["agent/tool_errors/malformed"]) == (1.0, 2.0)
+    assert (m["rollout/response_tokens"], m["rollout/generate_s"]) == (40, 2.0)
+    assert not any(k.startswith("agent/") for k in _merge_info([{"rollout/generate_s": 1.0}] * 2, [2, 2]))

@@ -28,6 +28,8 @@ def test_grpo_with_tools_and_an_environment_two_steps_and_resume(tmp_path):
     assert "resumed from" in r.stdout
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if row["step"] > 0]
+    vals = [row for row in rows if "val/accuracy" in row]  # validation runs the agent loop too
+    assert vals and all(row["val/agent/turns_mean"] >= 1 and "val/agent/tool_calls" in row for row in vals)
     assert [row["step"] for row in steps][-1] == 3
     for row in steps:
         assert row["agent/turns_mean"] >= 1 and "agent/tool_calls" in row and "agent/truncated" in row

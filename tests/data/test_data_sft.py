@@ -244,3 +244,39 @@ def test_packing_keeps_each_sample_loss_through_megatron(sft_file, tok_dir):
         k += len(row) + (1 if sum(packed.lengths[i] for i in row) < 96 else 0)
     assert min(alone) > 1.0
     assert segments == pytest.approx(alone, rel=1e-5, abs=1e-5)
+
+
+def test_tool_trace_mask_is_the_assistant_turns_and_matches_the_agent_loop(tmp_path, tok_dir, tokenizer):
+    """A two-turn tool trace (call -> tool result -> answer): the loss covers exactly the two assistant
+    turns (content + end of turn), never the tool result or the template glue; the ids are those the agent
+    loop builds (prompt, the model's tokens, its `_turn_ids` glue, the model's answer); OpenAI `tool_calls`
+    render as the same text."""
+    from rlhf.data.tool_tasks import call_text, trace_record
+    from workers.agent.loop import _turn_ids
+    from workers.agent.toolcalls import parse_tool_calls
+
+    record = trace_record(123, 456)
+    openai = copy.deepcopy(record)
+    openai["messages"][1] = {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "calculator", "arguments": '{"expression": "123*456"}'}}]}
+    ds = SFTDataset(write_lines(tmp_path / "trace.jsonl", [record, openai]), tok_dir, seq_length=256)
+    eot = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    call, answer = call_text("123*456"), "56088"
+    assert [(c.name, c.arguments) for c in parse_tool_calls(call)] == [("calculator", {"expression": "123*456"})]
+    enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    for i in range(2):
+        item = ds[i]
+        trained = item["labels"][item["loss_mask"] == 1].tolist()
+        assert trained == enc(call) + [eot] + enc(answer) + [eot], tokenizer.decode(trained)
+        # the agent loop's token ids: the prompt, turn 1, the glue with the tool result, turn 2
+        msgs = record["messages"]
+        prompt = tokenizer.apply_chat_template(msgs[:1], tokenize=True, add_generation_prompt=True,
+                                               return_dict=True)["input_ids"]
+        loop_ids = list(prompt) + enc(call) + _turn_ids(tokenizer, msgs[:2], msgs[2:3]) + enc(answer) + [eot]
+        ids = [int(item["tokens"][0])] + item["labels"].tolist()
+        assert ids[: len(loop_ids)] == loop_ids
+    bad = {"messages": [{"role": "user", "content": "q"},
+                        {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "x"}}]}]}
+    bad["messages"][1]["tool_calls"][0]["function"]["arguments"] = "not json"
+    with pytest.raises(UserError, match=r"bad.jsonl:1: turn 1: a tool call needs a string name and object"):
+        SFTDataset(write_lines(tmp_path / "bad.jsonl", [bad]), tok_dir, seq_length=64)

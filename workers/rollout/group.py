@@ -170,7 +170,7 @@ class RolloutGroup:
         parts = self._wait(calls, ranks, method)
         for lo, part in zip(starts, parts):
             part.meta["group_id"] = [g + lo for g in part.meta["group_id"]]
-        info = _merge_info([p.info for p in parts])
+        info = _merge_info([p.info for p in parts], [len(p) for p in parts])
         out = Batch.concat(parts)
         out.info.update(info)
         return out
@@ -243,8 +243,11 @@ class RolloutGroup:
         self.engines = []
 
 
-def _merge_info(infos: list[dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _merge_info(infos: list[dict[str, Any]], rows: list[int]) -> dict[str, Any]:
+    """The rollout info of a generate split across engines (`rows`: each engine's samples, i.e. trajectories)."""
+    from workers.agent.metrics import merge_agent_metrics
+
+    out: dict[str, Any] = merge_agent_metrics(list(zip(infos, rows)))
     for k in ("rollout/generate_s", "rollout/total_s"):
         out[k] = max(i.get(k, 0.0) for i in infos)
     out["rollout/response_tokens"] = sum(i.get("rollout/response_tokens", 0) for i in infos)

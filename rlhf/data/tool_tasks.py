@@ -1,0 +1,77 @@
+"""The tool-use example task: "What is a*b?" for three-digit a, b, solved by calling `calculator`.
+
+A ~1M-parameter policy cannot multiply three-digit numbers in its head (its accuracy without the tool is
+about 0), but it can copy the operands into a calculator call and copy the result into its answer. The reward
+is exact match of the number in the last model turn (`algorithms.rewards.exact_match`). Files written by
+`write_multiply_tool_data(out_dir)`:
+- `rl_train.jsonl`, `rl_val.jsonl`: `{"prompt", "messages", "answer"}` (as the arithmetic task);
+- `sft_train.jsonl`, `sft_val.jsonl`: tool-call traces `{"messages": [user, assistant (the call), tool (the
+  result), assistant (the answer)]}`, the call written as the agent loop parses it:
+  `<tool_call>{"name": "calculator", "arguments": {"expression": "a*b"}}</tool_call>`.
+The SFT traces are a few hundred train pairs (the warm start); validation pairs never appear in a train file.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from rlhf.data.arithmetic import write_jsonl
+from rlhf.data.chat import CLOSE_CALL, OPEN_CALL
+from rlhf.errors import UserError
+
+LOW, HIGH = 100, 999
+Pair = tuple[int, int]
+
+
+def split_pairs(seed: int = 0, val_size: int = 200, train_size: int = 20_000) -> tuple[list[Pair], list[Pair]]:
+    """(train, val) of distinct three-digit pairs drawn with `seed`; no pair is in both."""
+    if not 0 <= val_size <= 10_000:
+        raise UserError(f"val_size must be in [0, 10000], got {val_size}")
+    rng = random.Random(seed)
+    seen: set[Pair] = set()
+    while len(seen) < train_size + val_size:
+        seen.add((rng.randint(LOW, HIGH), rng.randint(LOW, HIGH)))
+    pairs = sorted(seen)
+    rng.shuffle(pairs)
+    return pairs[val_size:], pairs[:val_size]
+
+
+def question(a: int, b: int) -> str:
+    return f"What is {a}*{b}?"
+
+
+def call_text(expression: str) -> str:
+    """An assistant turn calling the calculator, in the agent loop's tool-call format."""
+    return OPEN_CALL + json.dumps({"name": "calculator", "arguments": {"expression": expression}}) + CLOSE_CALL
+
+
+def rl_record(a: int, b: int) -> dict:
+    q = question(a, b)
+    return {"prompt": q, "messages": [{"role": "user", "content": q}], "answer": str(a * b)}
+
+
+def trace_record(a: int, b: int) -> dict:
+    """user question -> calculator call -> tool result -> the answer."""
+    return {"messages": [
+        {"role": "user", "content": question(a, b)},
+        {"role": "assistant", "content": call_text(f"{a}*{b}")},
+        {"role": "tool", "content": str(a * b)},
+        {"role": "assistant", "content": str(a * b)},
+    ]}
+
+
+def write_multiply_tool_data(out_dir: str | Path, seed: int = 0, val_size: int = 200,
+                             sft_size: int = 400) -> dict[str, Path]:
+    """Write the four files listed in the module docstring into `out_dir`; return name -> path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    train, val = split_pairs(seed, val_size)
+    files = {"rl_train": (train, rl_record), "rl_val": (val, rl_record),
+             "sft_train": (train[:sft_size], trace_record), "sft_val": (val, trace_record)}
+    paths = {}
+    for name, (pairs, make) in files.items():
+        paths[name] = out / f"{name}.jsonl"
+        write_jsonl(paths[name], (make(a, b) for a, b in pairs))
+    return paths

@@ -1,9 +1,9 @@
 """Inputs of a run, made ready before any worker starts: task data, the model folder, the reward function.
 
 - `data.task: arithmetic` with no `data.train_file`: the example task's files are generated under the run dir
-  (RL prompts, SFT conversations, pretraining text and its Megatron indexed form).
+  (RL prompts, SFT conversations, DPO pairs, pretraining text and its Megatron indexed form).
 - `model.preset` with no `model.path`: the tiny model is created under the run dir, then warm-started with a
-  short plain SFT when `model.warm_start_steps > 0`.
+  short plain SFT when `model.warm_start_steps > 0` (RL and DPO).
 Everything generated is reused when it already exists, so a resumed run starts from the same files.
 """
 
@@ -31,7 +31,13 @@ def _task_data(cfg: RunConfig, out: Path) -> None:
     data_dir = out / "data"
     if not (data_dir / "rl_val.jsonl").is_file():
         write_arithmetic_data(data_dir, seed=d.seed, val_size=d.val_size or 200)
-    if cfg.algorithm.name in ("grpo", "ppo"):
+    if cfg.algorithm.name == "dpo":
+        from rlhf.data.arithmetic import write_preference_data
+
+        if not (data_dir / "dpo_val.jsonl").is_file():
+            write_preference_data(data_dir, seed=d.seed, val_size=d.val_size or 200)
+        d.train_file, d.val_file, d.val_size = str(data_dir / "dpo_train.jsonl"), str(data_dir / "dpo_val.jsonl"), 0
+    elif cfg.algorithm.name in ("grpo", "ppo"):
         d.train_file, d.val_file, d.val_size = str(data_dir / "rl_train.jsonl"), str(data_dir / "rl_val.jsonl"), 0
     elif cfg.algorithm.name == "sft":
         d.train_file, d.val_file = str(data_dir / "sft_train.jsonl"), str(data_dir / "sft_val.jsonl")
@@ -67,7 +73,7 @@ def _model(cfg: RunConfig, out: Path) -> None:
         shutil.rmtree(base, ignore_errors=True)
         create_tiny_model(m.preset, base, seed=cfg.trainer.seed)
     m.path = str(base)
-    if m.warm_start_steps > 0 and cfg.algorithm.name in ("grpo", "ppo"):
+    if m.warm_start_steps > 0 and cfg.algorithm.name in ("grpo", "ppo", "dpo"):
         warm = out / "model" / f"warm_start_{m.warm_start_steps}"
         if not (warm / "model.safetensors").is_file():
             if not cfg.data.task:
@@ -75,7 +81,9 @@ def _model(cfg: RunConfig, out: Path) -> None:
             from rlhf.data.prompts import load_prompt_dataset
             from rlhf.driver.warmstart import sft_warm_start
 
-            train, _ = load_prompt_dataset(cfg.data.train_file, answer_key=cfg.data.answer_key, seed=cfg.data.seed)
+            # DPO: the task's Q/A pairs are in its RL prompt file
+            qa = cfg.data.train_file if cfg.algorithm.name != "dpo" else str(out / "data" / "rl_train.jsonl")
+            train, _ = load_prompt_dataset(qa, answer_key=cfg.data.answer_key, seed=cfg.data.seed)
             pairs = [(p["prompt"] or p["messages"], p["ground_truth"]) for p in train]
             shutil.rmtree(warm, ignore_errors=True)
             tmp = warm.with_name(warm.name + ".tmp")
@@ -140,6 +148,10 @@ def prepare_inputs(cfg: RunConfig) -> RunConfig:
         if not cfg.data.train_file:
             raise ConfigError("data.train_file: expected a jsonl or parquet prompt file (or data.task: arithmetic)")
         load_rl_prompts(cfg, report=False, check_lengths=False)  # a bad file fails before any model work
+    if cfg.algorithm.name == "dpo":  # a bad pair (chosen == rejected, empty answer) fails before any model work
+        from rlhf.driver.dpo import check_pair_files
+
+        check_pair_files(cfg)
     _model(cfg, out)
     if rl:  # after _model: prompt lengths are counted with the model's tokenizer and chat template
         load_rl_prompts(cfg, report=False)

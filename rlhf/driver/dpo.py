@@ -10,6 +10,10 @@ Reference log-probs (`algorithm.dpo.reference: precompute`; SimPO needs none): b
 starting policy (after `trainer.load`) computes every train and validation pair's summed answer log-probs in
 a forward-only pass; they are saved in the run dir (`reference_logps.safetensors`, keyed by the data files,
 the model and seq_length) and read back on resume, so a resumed run uses the same reference.
+
+Metrics (train, and `val/` on the held-out pairs): loss, rewards/{chosen,rejected,margin,accuracy},
+logps/{chosen,rejected} and greedy_accuracy, the fraction of pairs whose chosen answer greedy decoding
+would produce (`workers.roles.preference`).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from workers.batch import Batch
 
 REF_FILE = "reference_logps.safetensors"
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "logps/chosen",
-           "logps/rejected")
+           "logps/rejected", "greedy_accuracy")
 
 
 @dataclass

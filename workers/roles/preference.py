@@ -8,6 +8,10 @@ Batch layout (one row per pair, what `rlhf.data.preference.collate_pairs` produc
 A micro-batch of m pairs is one forward over 2m rows, the chosen then the rejected answers. Each row's
 log-prob is summed over its answer tokens; the loss of a micro-batch is its pairs' summed preference loss
 divided by the global batch's pair count, so the update does not depend on the micro-batch count or DP size.
+
+`greedy_accuracy`: the fraction of pairs whose chosen answer (with its end of turn) is exactly what greedy
+decoding from the prompt would produce, checked teacher-forced in the same forward (every answer token has
+the largest logit given the tokens before it), so it needs no generation.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from workers.dispatch import DP_COMPUTE, register
 from workers.megatron.engine import Micro
 from workers.roles.base import MegatronWorker
 from workers.roles.lm import lm_micros
-from workers.roles.logits import vocab_parallel_logprobs
+from workers.roles.logits import vocab_parallel_greedy_hits, vocab_parallel_logprobs
 from workers.roles.loss_config import PreferenceLossConfig
 from workers.roles.optimize import Metrics, run_loss
 
@@ -62,8 +66,8 @@ class PreferenceMixin(MegatronWorker):
     def train_preference_step(self, batch: Batch, loss_config: dict[str, Any] | PreferenceLossConfig | None = None,
                               micro_batch_size: int | None = None) -> dict[str, float]:
         """One optimizer step over the pairs; returns the loss and the pair means of rewards/chosen,
-        rewards/rejected, rewards/margin, rewards/accuracy, logps/chosen, logps/rejected, with pairs,
-        grad_norm, lr, skipped and time_s."""
+        rewards/rejected, rewards/margin, rewards/accuracy, logps/chosen, logps/rejected and
+        greedy_accuracy (module docstring), with pairs, grad_norm, lr, skipped and time_s."""
         t0 = time.monotonic()
         out = self._preference_pass(batch, loss_config, micro_batch_size, train=True)
         out["time_s"] = time.monotonic() - t0
@@ -102,6 +106,8 @@ class PreferenceMixin(MegatronWorker):
 
         def loss_fn(mb: Micro, logits: torch.Tensor, acc: Metrics) -> torch.Tensor:
             seq, lengths = sequence_logps(mb, logits, vocab)
+            hits = vocab_parallel_greedy_hits(logits, mb.fields["labels"], vocab) | (mb.fields["loss_mask"] == 0)
+            greedy = hits.all(-1).chunk(2)[0].to(torch.float32)
             c, r = seq.chunk(2)
             n_c, n_r = lengths.chunk(2)
             ref_c, ref_r = mb.fields["ref_logps"].chunk(2) if "ref_logps" in mb.fields else (None, None)
@@ -109,7 +115,7 @@ class PreferenceMixin(MegatronWorker):
                                               label_smoothing=cfg.label_smoothing, simpo_gamma=cfg.simpo_gamma)
             n = n_pairs.to(losses.device)
             loss = losses.sum() / n
-            acc.add_sum({"loss": loss.detach(), "pairs": float(losses.numel()),
+            acc.add_sum({"loss": loss.detach(), "pairs": float(losses.numel()), "greedy_accuracy": greedy.sum() / n,
                          **{k: v.sum() / n for k, v in metrics.items()}})
             return loss
 

@@ -48,7 +48,8 @@ class PairData:
     order: SampleOrder
     val: Any = None
     val_rows: list[int] | None = None
-    ref: dict[str, torch.Tensor] | None = None  # {train,val}_{chosen,rejected}: [len(dataset)]
+    # {train,val}_{chosen,rejected}: [len(dataset)]; pairs held out of the train file (data.val_size) use train_*
+    ref: dict[str, torch.Tensor] | None = None
 
     def next_batch(self, n: int) -> Batch:
         return self._batch(self.train, "train", self.order.take(n))
@@ -159,10 +160,8 @@ def reference_logps(cfg: RunConfig, data: PairData, group: Any, out: Path) -> di
             parts.append(group.compute_pair_logps(batch))
         got = Batch.concat(parts)
         ref[f"{split}_chosen"], ref[f"{split}_rejected"] = got["chosen_logps"], got["rejected_logps"]
-    if "val_chosen" not in ref and data.val is not None:  # validation pairs held out of the train file
-        ref["val_chosen"], ref["val_rejected"] = ref["train_chosen"], ref["train_rejected"]
     tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.clone() for k, v in ref.items()}, str(tmp), metadata={"key": key})  # own storage each
+    save_file({k: v.clone() for k, v in ref.items()}, str(tmp), metadata={"key": key})  # each its own storage
     tmp.rename(path)
     print(f"reference log-probs of {sum(len(ds) for ds in data.datasets().values())} pairs in "
           f"{time.perf_counter() - t0:.1f} s -> {path}", flush=True)

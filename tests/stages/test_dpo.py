@@ -148,3 +148,18 @@ def test_pair_encoding_masks_only_the_answer(tiny_model_factory):
     ids, mask = encode_answer(tok, prompt, chosen)
     trained = tok.decode(ids[mask.astype(bool)])
     assert trained.startswith("7") and "hmm" not in trained, trained
+
+
+def test_held_out_pairs_read_their_reference_from_the_train_split(pair_files, tmp_path):
+    from rlhf.driver.dpo import build_pair_data
+
+    cfg = load_config(None, overrides(pair_files, tmp_path / "run", "data.val_file=null", "data.val_size=3"))
+    data = build_pair_data(cfg)
+    assert len(data.order.rows) == 5 and not set(data.order.rows) & set(data.val_rows or [])
+    n = len(data.train)
+    data.ref = {"train_chosen": torch.arange(n, dtype=torch.float32), "train_rejected": -torch.arange(n).float()}
+    val = data.val_batch(3)
+    assert val["ref_chosen_logps"].tolist() == [float(i) for i in data.val_rows]
+    for row, i in zip(val["chosen_tokens"], data.val_rows, strict=True):
+        tokens = data.train[i]["chosen"]["tokens"]
+        assert torch.equal(row[: tokens.numel()], tokens)

@@ -1,5 +1,5 @@
-"""Pure-torch RL algorithms: advantage estimators, KL estimators and controllers, losses, loss
-aggregation and rule-based rewards. Imports only torch and the standard library.
+"""Pure-torch RL algorithms: advantage estimators, KL estimators and controllers, losses (also the offline
+preference ones), loss aggregation and rule-based rewards. Imports only torch and the standard library.
 """
 
 from .advantages import (
@@ -29,6 +29,7 @@ from .kl import (
 from .losses import entropy_from_logits, lm_loss, logprobs_from_logits, policy_loss, value_loss
 from .masked import masked_mean, masked_sum, masked_var, masked_whiten
 from .mismatch import logprob_mismatch
+from .preference import PREFERENCE_LOSSES, check_preference_loss, preference_loss
 from .rewards import (
     RewardFn,
     RewardResult,
@@ -50,6 +51,7 @@ __all__ = [
     "KL_ALIASES",
     "KL_CONTROLLERS",
     "KL_KINDS",
+    "PREFERENCE_LOSSES",
     "AdaptiveKLController",
     "FixedKLController",
     "RewardFn",
@@ -59,6 +61,7 @@ __all__ = [
     "apply_kl_penalty",
     "canonical_kl_kind",
     "check_agg_mode",
+    "check_preference_loss",
     "combine_rewards",
     "compute_advantages",
     "entropy_from_logits",
@@ -83,6 +86,7 @@ __all__ = [
     "math_exact_match",
     "parse_number",
     "policy_loss",
+    "preference_loss",
     "register_advantage_estimator",
     "register_reward",
     "reinforce_plus_plus",

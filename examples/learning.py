@@ -1,8 +1,8 @@
 """`make examples`: every example config's full learning run, checked and written to bench/RESULTS.md.
 
 Each config in `configs/` is trained as shipped (`rlhf train CONFIG`, no checkpoints) and its curve is
-checked against what the example promises: the RL examples raise greedy held-out accuracy, the LM examples
-lower the held-out loss. The criteria count steps and evaluations, never wall time, so a slower machine
+checked against what the example promises: the RL and DPO examples raise greedy held-out accuracy, the LM
+examples lower the held-out loss. The criteria count steps and evaluations, never wall time, so a slower machine
 passes too; wall time is reported beside them. The table between the markers in bench/RESULTS.md is
 replaced by this run's rows; the exit code is 1 if any example missed its criterion.
 
@@ -70,6 +70,13 @@ def ran(curve: Curve) -> None:
     return None
 
 
+def dpo_learned(curve: Curve) -> str | None:
+    """+15 points of greedy held-out accuracy over the warm start (the step-0 evaluation), on the mean of the
+    last two evaluations."""
+    start, _, end = _points(curve)
+    return None if end - start >= 0.15 else f"accuracy {start:.1%} -> last two {end:.1%} (want +15 points)"
+
+
 def loss_fell(curve: Curve) -> str | None:
     start, end = curve[0][1], curve[-1][1]
     return None if end < 0.8 * start else f"held-out loss {start:.3f} -> {end:.3f} (want below 80% of the first)"
@@ -83,6 +90,7 @@ EXAMPLES = [
              "agent/tool_errors")),
     Example("grpo_tiny_code", "val/accuracy", ran, "runs: sandboxed unit-test reward, pass rate reported",
             ("val/reward_mean", "reward_mean")),
+    Example("dpo_tiny", "val/greedy_accuracy", dpo_learned, "greedy accuracy +15 points (last two)"),
     Example("sft_tiny", "val/loss", loss_fell, "held-out loss below 80% of the first evaluation"),
     Example("pretrain_tiny", "val/loss", loss_fell, "held-out loss below 80% of the first evaluation"),
 ]

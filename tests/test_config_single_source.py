@@ -7,11 +7,11 @@ import ast
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from rlhf.config.schema import AlgorithmConfig, RolloutConfig
+from rlhf.config.schema import AlgorithmConfig, DPOConfig, RolloutConfig
 from workers.agent.options import AgentOptions
 from workers.megatron.moe_config import MoEConfig
 from workers.megatron.optim_config import OptimConfig, OptimSettings
-from workers.roles.loss_config import PPOLossConfig, UpdateConfig, ValueLossConfig
+from workers.roles.loss_config import PPOLossConfig, PreferenceLossConfig, UpdateConfig, ValueLossConfig
 from workers.rollout.config import EngineConfig, EngineOptions, SyncConfig, SyncOptions
 from workers.rollout.sampling import SamplingConfig
 
@@ -26,6 +26,7 @@ WORKER_CONFIGS: dict[type, tuple[type, set[str]]] = {
     UpdateConfig: (AlgorithmConfig, set()),
     PPOLossConfig: (AlgorithmConfig, set()),
     ValueLossConfig: (AlgorithmConfig, set()),
+    PreferenceLossConfig: (DPOConfig, set()),
     SamplingConfig: (RolloutConfig, set()),
     EngineOptions: (RolloutConfig, set()),
     EngineConfig: (RolloutConfig, {"model_path", "tokenizer_path", "max_model_len", "enable_chunked_prefill",

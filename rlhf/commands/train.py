@@ -1,4 +1,4 @@
-"""`rlhf train CONFIG [OVERLAY.yaml ...] [KEY=VALUE ...]`: run a GRPO, PPO, SFT or pretraining config."""
+"""`rlhf train CONFIG [OVERLAY.yaml ...] [KEY=VALUE ...]`: run a GRPO, PPO, SFT, DPO or pretraining config."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train with a YAML config (algorithm.name: grpo | ppo | sft | pretrain)")
+    p = sub.add_parser("train", help="train with a YAML config (algorithm.name: grpo | ppo | sft | pretrain | dpo)")
     p.add_argument("config", help="YAML preset, e.g. configs/grpo_tiny.yaml")
     p.add_argument("overrides", nargs="*",
                    help="overlay YAML files (e.g. from `rlhf plan --out`, merged in order) and dotted overrides, "
@@ -48,7 +48,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"moved the previous run in {cfg.trainer.output_dir} to {aside}", flush=True)
     quiet_libraries()
     cfg = prepare_inputs(cfg)  # data and model files are checked (or generated) before any worker starts
-    if cfg.algorithm.name in ("sft", "pretrain"):
+    if cfg.algorithm.name == "dpo":
+        from rlhf.driver.dpo import run_dpo
+
+        run_dpo(cfg)
+    elif cfg.algorithm.name in ("sft", "pretrain"):
         from rlhf.driver.lm import run_lm
 
         run_lm(cfg)

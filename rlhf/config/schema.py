@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from workers.agent.options import AgentOptions
 from workers.megatron.moe_config import MoEConfig
 from workers.megatron.optim_config import OptimConfig
-from workers.roles.loss_config import PPOLossConfig, ValueLossConfig
+from workers.roles.loss_config import PPOLossConfig, PreferenceLossConfig, ValueLossConfig
 from workers.rollout.config import EngineOptions, SyncOptions
 from workers.rollout.sampling import SamplingConfig
 
@@ -57,7 +57,7 @@ class ModelConfig:
     path: str | None = None  # HF model folder (config.json, safetensors, tokenizer)
     preset: str | None = None  # create this tiny preset under the run dir when path is unset
     tokenizer_path: str | None = None  # defaults to path
-    # Warm start: a short plain SFT of the model on the task's Q/A pairs before RL (0 = none).
+    # Warm start: a short plain SFT of the model on the task's Q/A pairs before RL or DPO (0 = none).
     warm_start_steps: int = 0
     warm_start_lr: float = 1e-3
     warm_start_batch: int = 128
@@ -107,6 +107,15 @@ class RewardConfig:
 
 
 @dataclass
+class DPOConfig(PreferenceLossConfig):
+    """`algorithm.name: dpo`: the preference loss (`PreferenceLossConfig`) and where the reference log-probs
+    come from. "precompute": one forward pass of the starting policy over the train and validation pairs
+    before the first step, cached in the run dir (``reference_logps.safetensors``) for resumes."""
+
+    reference: str = "precompute"
+
+
+@dataclass
 class AlgorithmConfig(PPOLossConfig, ValueLossConfig):
     """The training algorithm and its RL math (``algorithms/``).
 
@@ -130,7 +139,7 @@ class AlgorithmConfig(PPOLossConfig, ValueLossConfig):
     ``norm_by_std``.
     """
 
-    name: str = "grpo"  # grpo | ppo | sft | pretrain
+    name: str = "grpo"  # grpo | ppo | sft | pretrain | dpo
     adv_estimator: str = "grpo"
     norm_by_std: bool = True  # grpo: divide by the group std (false: Dr. GRPO)
     gamma: float = 1.0
@@ -144,6 +153,7 @@ class AlgorithmConfig(PPOLossConfig, ValueLossConfig):
     old_logprobs: str = "recompute"
     dynamic_sampling: bool = False
     max_resample_rounds: int = 3
+    dpo: DPOConfig = field(default_factory=DPOConfig)
 
 
 @dataclass

@@ -15,13 +15,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from algorithms import AGG_MODES, KL_CONTROLLERS, KL_KINDS, list_advantage_estimators, list_rewards
+from algorithms import (
+    AGG_MODES,
+    KL_CONTROLLERS,
+    KL_KINDS,
+    PREFERENCE_LOSSES,
+    list_advantage_estimators,
+    list_rewards,
+)
 from rlhf.config.schema import RoleConfig, RunConfig, TrainerConfig
 from rlhf.errors import ConfigError
 from workers.rollout.config import EngineOptions
 from workers.rollout.sampling import SamplingConfig
 
-ALGORITHMS = ("grpo", "ppo", "sft", "pretrain")
+ALGORITHMS = ("grpo", "ppo", "sft", "pretrain", "dpo")
+DPO_REFERENCES = ("precompute",)  # algorithm.dpo.reference
 DTYPES = ("float32", "bfloat16", "float16")
 OVERLONG_PROMPTS = ("drop", "fail")  # data.overlong_prompts (rlhf.data.prompts.PromptLimit.mode)
 ROLLOUT_DTYPES = (*DTYPES, "auto")  # vLLM's "auto": the model config's torch_dtype
@@ -216,11 +224,13 @@ def validate_config(cfg: RunConfig) -> None:
         roles += [n for n in ("reference", "critic", "reward_model") if getattr(cfg, n).enabled]
     for name in roles:
         _check_role(name, getattr(cfg, name), shape)
-    if a.name in ("sft", "pretrain"):
+    if a.name in ("sft", "pretrain", "dpo"):
         _require(d.seq_length <= shape.max_positions, "data.seq_length",
                  f"at most the model's max_position_embeddings ({shape.max_positions})", d.seq_length)
         _check_lm_batches(cfg)
         _check_lm_stage(cfg)
+        if a.name == "dpo":
+            _check_dpo(cfg)
         return
     # RL
     for check in (SamplingConfig.validate, EngineOptions.validate_engine):  # the rollout's own checks
@@ -331,6 +341,19 @@ def check_wandb(t: TrainerConfig) -> None:
                           "(or the extra: pip install -e '.[tracking]'), or set trainer.wandb=false")
 
 
+def _check_dpo(cfg: RunConfig) -> None:
+    o = cfg.algorithm.dpo
+    _choice(o.loss, "algorithm.dpo.loss", PREFERENCE_LOSSES)
+    _choice(o.reference, "algorithm.dpo.reference", DPO_REFERENCES)
+    _require(math.isfinite(o.beta) and o.beta > 0, "algorithm.dpo.beta", "a number > 0", o.beta)
+    _require(0 <= o.label_smoothing < 0.5, "algorithm.dpo.label_smoothing",
+             "a probability in [0, 0.5) (the chance a pair's label is flipped)", o.label_smoothing)
+    _require(math.isfinite(o.simpo_gamma), "algorithm.dpo.simpo_gamma", "a finite number", o.simpo_gamma)
+    if o.label_smoothing and o.loss == "ipo":
+        raise ConfigError("algorithm.dpo.label_smoothing applies to the sigmoid and simpo losses, not ipo; "
+                          "set it to 0")
+
+
 # ---- SFT / pretraining stage (config-only checks; the files are checked by rlhf.driver.lm_data) ----------
 def _check_lm_stage(cfg: RunConfig) -> None:
     """Fields only the pretrain / sft stages read. Data files may not exist yet (data.task generates
@@ -347,6 +370,10 @@ def _check_lm_stage(cfg: RunConfig) -> None:
             parse_split(d.split)
         except UserError as e:
             raise ConfigError(f"data.split: {e}") from None
+    elif cfg.algorithm.name == "dpo":
+        if not d.train_file and not d.task:
+            raise ConfigError("data.train_file: DPO needs a jsonl of preference pairs (messages or prompt, with "
+                              "chosen and rejected) or data.task")
     elif not d.train_file and not d.task:
         raise ConfigError("data.train_file: SFT needs a jsonl of conversations (messages / conversations) "
                           "or data.task")

@@ -7,6 +7,8 @@ last number from the response), so the SFT target is just the number. Files writ
   chat messages; pick one with `prompt_key` / `messages_key` in `load_prompt_dataset`);
 - `sft_train.jsonl`, `sft_val.jsonl`: `{"messages": [user, assistant]}`;
 - `pretrain.jsonl`: `{"text": "What is a+b? c"}` for the train pairs.
+`write_preference_data(out_dir)` writes `dpo_train.jsonl`, `dpo_val.jsonl` (same split): `{"messages": [user],
+"chosen": the sum, "rejected": a wrong sum}`, the wrong sum off by a seeded nonzero offset (`wrong_answer`).
 Validation pairs (held out with the seed) never appear in the train, SFT-train or pretraining files.
 """
 
@@ -62,6 +64,21 @@ def sft_record(a: int, b: int) -> dict:
     }
 
 
+# Offsets of the rejected answers: the near misses a model that half-learned addition makes (carry, last digit).
+WRONG_OFFSETS = (-10, -2, -1, 1, 2, 10)
+
+
+def wrong_answer(a: int, b: int, rng: random.Random) -> str:
+    """A wrong but plausible sum: a + b plus a nonzero offset, never negative."""
+    offsets = [d for d in WRONG_OFFSETS if a + b + d >= 0]
+    return str(a + b + rng.choice(offsets))
+
+
+def preference_record(a: int, b: int, rng: random.Random) -> dict:
+    return {"messages": [{"role": "user", "content": question(a, b)}], "chosen": answer(a, b),
+            "rejected": wrong_answer(a, b, rng)}
+
+
 def pretrain_record(a: int, b: int) -> dict:
     return {"text": f"{question(a, b)} {answer(a, b)}"}
 
@@ -92,4 +109,17 @@ def write_arithmetic_data(out_dir: str | Path, seed: int = 0, val_size: int = 20
     for name, (pairs, make) in files.items():
         paths[name] = out / f"{name}.jsonl"
         write_jsonl(paths[name], (make(a, b) for a, b in pairs))
+    return paths
+
+
+def write_preference_data(out_dir: str | Path, seed: int = 0, val_size: int = 200) -> dict[str, Path]:
+    """Write `dpo_train.jsonl` and `dpo_val.jsonl` (module docstring) into `out_dir`; return name -> path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    train, val = split_pairs(seed, val_size)
+    rng = random.Random(seed + 1)
+    paths = {}
+    for name, pairs in (("dpo_train", train), ("dpo_val", val)):
+        paths[name] = out / f"{name}.jsonl"
+        write_jsonl(paths[name], (preference_record(a, b, rng) for a, b in pairs))
     return paths

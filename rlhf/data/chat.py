@@ -38,8 +38,9 @@ OPEN_CALL, CLOSE_CALL = "<tool_call>", "</tool_call>"  # as workers/agent/toolca
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-def normalize_conversation(record: dict, where: str) -> list[dict[str, str]]:
-    """The record's turns as `[{"role", "content"}]`; a UserError naming `where` (file:line) if malformed."""
+def normalize_conversation(record: dict, where: str, need_assistant: bool = True) -> list[dict[str, str]]:
+    """The record's turns as `[{"role", "content"}]`; a UserError naming `where` (file:line) if malformed
+    (or, with `need_assistant`, without an assistant turn; a preference pair's prompt has none)."""
     if "messages" in record:
         turns, role_key, text_key = record["messages"], "role", "content"
     elif "conversations" in record:
@@ -64,7 +65,7 @@ def normalize_conversation(record: dict, where: str) -> list[dict[str, str]]:
         if not isinstance(text, str):
             raise UserError(f"{where}: turn {i} ({role}) has no string {text_key!r}")
         messages.append({"role": ROLE_MAP[role], "content": text})
-    if not any(m["role"] == "assistant" for m in messages):
+    if need_assistant and not any(m["role"] == "assistant" for m in messages):
         raise UserError(f"{where}: the conversation has no assistant turn (nothing to train on)")
     return messages
 

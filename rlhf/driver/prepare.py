@@ -1,10 +1,12 @@
 """Inputs of a run, made ready before any worker starts: task data, the model folder, the reward function.
 
 - `data.task` (one of `TASKS`) with no `data.train_file`: the example task's files are generated under the run
-  dir (RL prompts, SFT conversations, for arithmetic pretraining text and its Megatron indexed form).
+  dir (RL prompts, SFT conversations; for arithmetic also DPO pairs, pretraining text and its Megatron
+  indexed form).
 - `model.preset` with no `model.path`: the tiny model is created under the run dir, then warm-started with a
-  short plain SFT when `model.warm_start_steps > 0`: on the task's Q/A pairs, or on its SFT conversations
-  (multiply_tool: calculator-call traces with their results; code_functions: reference solutions).
+  short plain SFT when `model.warm_start_steps > 0` (RL and DPO): on the task's Q/A pairs, or on its SFT
+  conversations (multiply_tool: calculator-call traces with their results; code_functions: reference
+  solutions).
 Everything generated is reused when it already exists, so a resumed run starts from the same files.
 """
 
@@ -35,6 +37,8 @@ def _task_data(cfg: RunConfig, out: Path) -> None:
         raise ConfigError(f"data.task: expected one of {', '.join(TASKS)} or null, got {d.task!r}")
     if cfg.algorithm.name == "pretrain" and d.task != "arithmetic":
         raise ConfigError(f"data.task: {d.task} has no pretraining text (only arithmetic has)")
+    if cfg.algorithm.name == "dpo" and d.task != "arithmetic":
+        raise ConfigError(f"data.task: {d.task} has no preference pairs (only arithmetic has)")
     import importlib
 
     spec, default_val, _ = TASKS[d.task]
@@ -43,7 +47,13 @@ def _task_data(cfg: RunConfig, out: Path) -> None:
     data_dir = out / "data"
     if not (data_dir / "rl_val.jsonl").is_file():
         write(data_dir, seed=d.seed, val_size=d.val_size or default_val)
-    if cfg.algorithm.name in ("grpo", "ppo"):
+    if cfg.algorithm.name == "dpo":
+        from rlhf.data.arithmetic import write_preference_data
+
+        if not (data_dir / "dpo_val.jsonl").is_file():
+            write_preference_data(data_dir, seed=d.seed, val_size=d.val_size or 200)
+        d.train_file, d.val_file, d.val_size = str(data_dir / "dpo_train.jsonl"), str(data_dir / "dpo_val.jsonl"), 0
+    elif cfg.algorithm.name in ("grpo", "ppo"):
         d.train_file, d.val_file, d.val_size = str(data_dir / "rl_train.jsonl"), str(data_dir / "rl_val.jsonl"), 0
     elif cfg.algorithm.name == "sft":
         d.train_file, d.val_file = str(data_dir / "sft_train.jsonl"), str(data_dir / "sft_val.jsonl")
@@ -79,7 +89,7 @@ def _model(cfg: RunConfig, out: Path) -> None:
         shutil.rmtree(base, ignore_errors=True)
         create_tiny_model(m.preset, base, seed=cfg.trainer.seed)
     m.path = str(base)
-    if m.warm_start_steps > 0 and cfg.algorithm.name in ("grpo", "ppo"):
+    if m.warm_start_steps > 0 and cfg.algorithm.name in ("grpo", "ppo", "dpo"):
         warm = out / "model" / f"warm_start_{m.warm_start_steps}"
         if not (warm / "model.safetensors").is_file():
             if not cfg.data.task:
@@ -106,7 +116,9 @@ def _warm_start_items(cfg: RunConfig, out: Path) -> list:
 
         path = out / "data" / "sft_train.jsonl"
         return [normalize_conversation(rec, f"{path}:{n}") for n, rec in read_jsonl(path)]
-    train, _ = load_prompt_dataset(cfg.data.train_file, answer_key=cfg.data.answer_key, seed=cfg.data.seed)
+    # DPO: the task's Q/A pairs are in its RL prompt file (its train file holds the preference pairs)
+    qa = cfg.data.train_file if cfg.algorithm.name != "dpo" else str(out / "data" / "rl_train.jsonl")
+    train, _ = load_prompt_dataset(qa, answer_key=cfg.data.answer_key, seed=cfg.data.seed)
     return [(p["prompt"] or p["messages"], p["ground_truth"]) for p in train]
 
 
@@ -178,6 +190,10 @@ def prepare_inputs(cfg: RunConfig) -> RunConfig:
                               f"{', '.join(TASKS)})")
         load_rl_prompts(cfg, report=False, check_lengths=False)  # a bad file fails before any model work
         _check_eval_tasks(cfg)
+    if cfg.algorithm.name == "dpo":  # a bad pair (chosen == rejected, empty answer) fails before any model work
+        from rlhf.driver.dpo import check_pair_files
+
+        check_pair_files(cfg)
     _model(cfg, out)
     if rl:  # after _model: prompt lengths are counted with the model's tokenizer and chat template
         load_rl_prompts(cfg, report=False)

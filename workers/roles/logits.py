@@ -49,3 +49,23 @@ def vocab_parallel_logprobs(
         p_shift = reduce_from_tensor_model_parallel_region(p_shift)
     entropy = log_s - p_shift / s
     return logp, entropy
+
+
+def vocab_parallel_greedy_hits(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bool [...]: True where labels[...] has the largest logit, i.e. is what greedy decoding picks there
+    (a tie counts as a hit). No gradient."""
+    rank, world, group = tp_layout()
+    v_local = logits.shape[-1]
+    start = rank * v_local
+    z = logits.detach().float()
+    n_real = vocab_size - start
+    if n_real < v_local:
+        z = z.masked_fill(torch.arange(v_local, device=z.device) >= max(n_real, 0), float("-inf"))
+    m = z.max(dim=-1).values
+    in_shard = (labels >= start) & (labels < start + v_local)
+    idx = (labels - start).clamp(0, v_local - 1).long()
+    picked = torch.where(in_shard, z.gather(-1, idx.unsqueeze(-1)).squeeze(-1), torch.full_like(m, float("-inf")))
+    if world > 1:
+        torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
+        torch.distributed.all_reduce(picked, op=torch.distributed.ReduceOp.MAX, group=group)
+    return picked >= m

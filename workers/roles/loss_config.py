@@ -1,4 +1,5 @@
-"""The update settings of the policy and the critic (the schema's `algorithm` section is built on them).
+"""The update settings of the policy and the critic (the schema's `algorithm` section is built on them), and
+the DPO loss (`algorithm.dpo`).
 
 `train_step(batch, loss_config)` takes a `PPOLossConfig` / `ValueLossConfig` or a dict of its fields; the
 per-call values (the micro-batch size, the sampling temperature) are `train_step` arguments.
@@ -36,3 +37,13 @@ class PPOLossConfig(UpdateConfig):
     entropy_coef: float = 0.0
     kl_coef: float = 0.0  # > 0 with `ref_logprobs` in the batch: KL as a loss term
     kl_kind: str = "k3"  # algorithms.KL_KINDS or an alias in algorithms.KL_ALIASES
+
+
+@dataclass
+class PreferenceLossConfig:
+    """The offline preference loss of the DPO step (`algorithms.preference_loss`)."""
+
+    loss: str = "sigmoid"  # algorithms.PREFERENCE_LOSSES: sigmoid | ipo | simpo (reference-free)
+    beta: float = 0.1  # sigmoid: the KL strength; ipo: its tau; simpo: the reward scale (2.0-2.5 in the paper)
+    label_smoothing: float = 0.0  # sigmoid / simpo: probability that a pair's label is flipped (conservative DPO)
+    simpo_gamma: float = 0.5  # simpo: the target reward margin

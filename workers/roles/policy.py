@@ -1,4 +1,4 @@
-"""`PolicyWorker`: log-probabilities, PPO training, LM training and weight export for the rollout.
+"""`PolicyWorker`: log-probabilities, PPO training, LM training, DPO and weight export for the rollout.
 
 Batch fields (see workers/batch.py conventions): `input_ids` [B, P+R], `attention_mask` [B, P+R],
 `responses` [B, R], `response_mask` [B, R]; training adds `advantages`, `old_logprobs` and optionally
@@ -23,6 +23,7 @@ from workers.roles.logits import vocab_parallel_logprobs
 from workers.roles.loss_config import PPOLossConfig
 from workers.roles.micro import forward_responses
 from workers.roles.optimize import Metrics, optimize_responses
+from workers.roles.preference import PreferenceMixin
 from workers.roles.weights import put_buckets
 from workers.rollout.policy_mixin import RolloutSyncMixin
 
@@ -41,7 +42,7 @@ class LogprobMixin:
         return forward_responses(self, batch, micro_batch_size, outputs)
 
 
-class PolicyWorker(RolloutSyncMixin, LogprobMixin, LMMixin, MegatronWorker):
+class PolicyWorker(RolloutSyncMixin, LogprobMixin, LMMixin, PreferenceMixin, MegatronWorker):
     """The trainable policy (see module docstring)."""
 
     @register(DP_COMPUTE)

@@ -1,0 +1,80 @@
+"""Offline preference losses (DPO and kin) on per-sequence log-probabilities.
+
+Inputs are one value per pair, [B]: the policy's summed log-probability of the chosen and the rejected
+answer tokens, the reference's (ignored by the reference-free ``simpo``), and each answer's token count.
+With ``delta = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejected_logps)``:
+
+- ``sigmoid`` (DPO, Rafailov et al. 2023; conservative DPO with label smoothing ``eps``):
+  ``-(1 - eps) * logsigmoid(beta * delta) - eps * logsigmoid(-beta * delta)``
+- ``ipo`` (Azar et al. 2023), on log-ratios averaged over each answer's tokens, as TRL does:
+  ``(chosen_logratio / n_chosen - rejected_logratio / n_rejected - 1 / (2 * beta)) ** 2``
+- ``simpo`` (Meng et al. 2024), reference-free, on length-normalised log-probs ``a = logps / n``:
+  ``h = beta * (a_chosen - a_rejected) - gamma``; loss ``-(1 - eps) * logsigmoid(h) - eps * logsigmoid(-h)``
+
+The loss is returned per pair: the caller divides its sum by the global pair count (so micro-batching and
+data parallelism do not change it). Rewards for the metrics: ``beta * logratio`` (``beta * a`` for simpo).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["PREFERENCE_LOSSES", "check_preference_loss", "preference_loss"]
+
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "simpo")
+# Losses that read reference log-probs.
+REFERENCE_FREE = ("simpo",)
+
+
+def check_preference_loss(name: str) -> None:
+    if name not in PREFERENCE_LOSSES:
+        raise ValueError(f"unknown preference loss {name!r}; expected one of {', '.join(PREFERENCE_LOSSES)}")
+
+
+def _smoothed(logits: torch.Tensor, eps: float) -> torch.Tensor:
+    return -(1.0 - eps) * F.logsigmoid(logits) - eps * F.logsigmoid(-logits)
+
+
+def preference_loss(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor | None,
+    ref_rejected_logps: torch.Tensor | None,
+    chosen_lengths: torch.Tensor,
+    rejected_lengths: torch.Tensor,
+    loss: str = "sigmoid",
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+    simpo_gamma: float = 0.5,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(loss of each pair [B], per-pair values for the metrics) as in the module docstring.
+
+    The metric tensors are detached, [B] each: ``rewards/chosen``, ``rewards/rejected``, ``rewards/margin``,
+    ``rewards/accuracy`` (1.0 where the chosen reward is higher), ``logps/chosen``, ``logps/rejected``
+    (summed log-probs); reduce them as the caller's batch requires."""
+    check_preference_loss(loss)
+    n_c = chosen_lengths.to(chosen_logps.dtype).clamp(min=1.0)
+    n_r = rejected_lengths.to(rejected_logps.dtype).clamp(min=1.0)
+    if loss == "simpo":
+        chosen_r, rejected_r = beta * chosen_logps / n_c, beta * rejected_logps / n_r
+        per_pair = _smoothed(chosen_r - rejected_r - simpo_gamma, label_smoothing)
+    else:
+        if ref_chosen_logps is None or ref_rejected_logps is None:
+            raise ValueError(f"preference loss {loss!r} needs the reference log-probs")
+        chosen_lr, rejected_lr = chosen_logps - ref_chosen_logps, rejected_logps - ref_rejected_logps
+        chosen_r, rejected_r = beta * chosen_lr, beta * rejected_lr
+        if loss == "sigmoid":
+            per_pair = _smoothed(beta * (chosen_lr - rejected_lr), label_smoothing)
+        else:  # ipo
+            per_pair = (chosen_lr / n_c - rejected_lr / n_r - 1.0 / (2.0 * beta)) ** 2
+    chosen_r, rejected_r = chosen_r.detach(), rejected_r.detach()
+    metrics = {
+        "rewards/chosen": chosen_r,
+        "rewards/rejected": rejected_r,
+        "rewards/margin": chosen_r - rejected_r,
+        "rewards/accuracy": (chosen_r > rejected_r).to(chosen_r.dtype),
+        "logps/chosen": chosen_logps.detach(),
+        "logps/rejected": rejected_logps.detach(),
+    }
+    return per_pair, metrics

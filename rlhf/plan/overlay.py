@@ -22,8 +22,8 @@ def overlay_dict(plan: Plan, req: Request) -> dict:
     out: dict = {}
     for role in req.roles:
         if role in TRAINED + FROZEN:
-            section: dict = {"parallel": {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp}, "micro_batch_size": lay.mbs,
-                             "dtype": dtype}
+            parallel = {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp} | ({"ep": lay.ep} if lay.ep > 1 else {})
+            section: dict = {"parallel": parallel, "micro_batch_size": lay.mbs, "dtype": dtype}
             if role in TRAINED:
                 section["optim"] = {"use_distributed_optimizer": lay.dp > 1}
             out[role] = section

@@ -69,14 +69,13 @@ class Plan:
 
 
 def missing_levers(m: ModelSpec, lay: Layout) -> list[str]:
-    """What this layout needs that rlhf's config cannot express yet (policy.parallel has tp, pp, dp)."""
+    """What this layout needs that rlhf's config cannot express yet (policy.parallel has tp, pp, dp and ep,
+    experts keeping the dense TP)."""
     out = []
     if lay.cp > 1:
         out.append(f"context parallel cp={lay.cp}")
     if lay.vpp > 1:
         out.append(f"virtual pipeline vpp={lay.vpp}")
-    if lay.ep > 1:
-        out.append(f"expert parallel ep={lay.ep}")
     if m.moe and lay.etp != lay.tp:
         out.append(f"expert tensor parallel etp={lay.etp}")
     if lay.sp:

@@ -59,3 +59,22 @@ def test_train_names_a_missing_overlay(tmp_path, capsys):
     missing = Path(tmp_path) / "overlay.yaml"
     assert main(["train", "configs/grpo_tiny.yaml", str(missing)]) == 2
     assert f"config file {missing} does not exist" in capsys.readouterr().err
+
+
+
+def test_expert_parallel_layouts_are_expressible_and_reach_the_overlay(tmp_path):
+    """An EP layout (experts keeping the dense TP) needs no missing lever, and its overlay carries
+    `parallel.ep`, which the schema reads."""
+    from rlhf.plan.hardware import GIB, get_gpu
+    from rlhf.plan.model import load_model
+    from rlhf.plan.overlay import write_overlay
+    from rlhf.plan.search import Planner, Request
+
+    req = Request(load_model("Qwen3-30B-A3B"), get_gpu("H100"), 4, 8, 80 * GIB, 4096, 256)
+    plans = Planner(req).plan()
+    ep_plan = next(p for p in plans if p.layout.ep > 1 and p.layout.etp == p.layout.tp and p.runnable_today)
+    out = write_overlay(tmp_path / "moe.yaml", ep_plan, req)
+    par = yaml.safe_load(out.read_text())["policy"]["parallel"]
+    assert par["ep"] == ep_plan.layout.ep and par["dp"] % par["ep"] == 0, par
+    cfg = load_config("configs/grpo_tiny.yaml", [], validate=False, overlays=[out])
+    assert cfg.policy.parallel.ep == par["ep"]

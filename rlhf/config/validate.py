@@ -8,12 +8,12 @@ newly registered estimator or reward needs no edit here.
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from algorithms import (
     AGG_MODES,
@@ -25,6 +25,7 @@ from algorithms import (
 )
 from rlhf.config.schema import RoleConfig, RunConfig, TrainerConfig
 from rlhf.errors import ConfigError
+from rlhf.model_config import read_config_json
 from workers.rollout.config import EngineOptions
 from workers.rollout.sampling import SamplingConfig
 
@@ -58,17 +59,11 @@ def _experts(c: dict) -> int:
 def model_shape(path: str | None, preset: str | None) -> ModelShape | None:
     """Read the layer and head counts from an HF config.json, or from a tiny preset."""
     if path:
-        cfg_file = Path(path) / "config.json"
-        if not cfg_file.is_file():
-            raise ConfigError(f"model.path: {path} has no config.json (expected an HF model folder)")
-        try:
-            c = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"model.path: {cfg_file} line {e.lineno} is not valid JSON: {e.msg}") from None
+        c: Any = read_config_json(Path(path), "model.path", ConfigError)
         heads = c.get("num_attention_heads")
         return ModelShape(
             c.get("num_hidden_layers"), heads, c.get("num_key_value_heads", heads),
-            c.get("max_position_embeddings", 1 << 30), str(cfg_file), _experts(c),
+            c.get("max_position_embeddings", 1 << 30), str(Path(path) / "config.json"), _experts(c),
         )
     if preset:
         from rlhf.tiny_models import PRESETS

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from rlhf.errors import UserError
 
@@ -93,23 +94,30 @@ def write_jsonl(path: str | Path, records: Iterable[dict]) -> int:
     return n
 
 
-def write_arithmetic_data(out_dir: str | Path, seed: int = 0, val_size: int = 200) -> dict[str, Path]:
-    """Write the five files listed in the module docstring into `out_dir`; return name -> path."""
+def write_task_files(out_dir: str | Path, files: dict[str, tuple[Sequence[Any], Callable[..., dict]]],
+                     unpack: bool = True) -> dict[str, Path]:
+    """Write `<out_dir>/<name>.jsonl` for each `name: (items, make)`, one record per item: `make(*item)` (items
+    are argument tuples, e.g. (a, b) pairs), or `make(item)` with `unpack=False`; return name -> path. Shared
+    by the example tasks' generators."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for name, (items, make) in files.items():
+        paths[name] = out / f"{name}.jsonl"
+        write_jsonl(paths[name], (make(*it) if unpack else make(it) for it in items))
+    return paths
+
+
+def write_arithmetic_data(out_dir: str | Path, seed: int = 0, val_size: int = 200) -> dict[str, Path]:
+    """Write the five files listed in the module docstring into `out_dir`; return name -> path."""
     train, val = split_pairs(seed, val_size)
-    files = {
+    return write_task_files(out_dir, {
         "rl_train": (train, rl_record),
         "rl_val": (val, rl_record),
         "sft_train": (train, sft_record),
         "sft_val": (val, sft_record),
         "pretrain": (train, pretrain_record),
-    }
-    paths = {}
-    for name, (pairs, make) in files.items():
-        paths[name] = out / f"{name}.jsonl"
-        write_jsonl(paths[name], (make(a, b) for a, b in pairs))
-    return paths
+    })
 
 
 def write_preference_data(out_dir: str | Path, seed: int = 0, val_size: int = 200) -> dict[str, Path]:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
 
 from rlhf.errors import UserError
+from rlhf.model_config import read_config_json
 
 _SPLIT_RE = re.compile(r"^\s*\d+(\.\d*)?(\s*[,/:]\s*\d+(\.\d*)?){0,2}\s*$")
 _MAX_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
@@ -54,15 +54,7 @@ def max_positions(model_dir_or_config: Any) -> int | None:
     """The model's maximum positions from a model folder, a config.json path, a dict or a config object."""
     cfg: Any = model_dir_or_config
     if isinstance(cfg, str | Path):
-        path = Path(cfg)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise UserError(f"model config {path} does not exist")
-        try:
-            cfg = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise UserError(f"model config {path} is not valid JSON: {e}") from e
+        cfg = read_config_json(cfg, "model config")
     get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
     for key in _MAX_POSITION_KEYS:
         value = get(key, None)

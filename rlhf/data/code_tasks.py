@@ -16,7 +16,7 @@ import json
 import random
 from pathlib import Path
 
-from rlhf.data.arithmetic import write_jsonl
+from rlhf.data.arithmetic import write_task_files
 from rlhf.errors import UserError
 
 OPS = {"plus": "+", "minus": "-", "times": "*"}
@@ -66,13 +66,7 @@ def sft_record(t: Task) -> dict:
 
 def write_code_data(out_dir: str | Path, seed: int = 0, val_size: int = 100, sft_size: int = 300) -> dict[str, Path]:
     """Write the four files listed in the module docstring into `out_dir`; return name -> path."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     train, val = split_tasks(seed, val_size)
-    files = {"rl_train": (train, rl_record), "rl_val": (val, rl_record),
-             "sft_train": (train[:sft_size], sft_record), "sft_val": (val, sft_record)}
-    paths = {}
-    for name, (tasks, make) in files.items():
-        paths[name] = out / f"{name}.jsonl"
-        write_jsonl(paths[name], (make(t) for t in tasks))
-    return paths
+    return write_task_files(out_dir, {"rl_train": (train, rl_record), "rl_val": (val, rl_record),
+                                      "sft_train": (train[:sft_size], sft_record), "sft_val": (val, sft_record)},
+                            unpack=False)

@@ -17,7 +17,7 @@ import json
 import random
 from pathlib import Path
 
-from rlhf.data.arithmetic import write_jsonl
+from rlhf.data.arithmetic import write_task_files
 from rlhf.data.chat import CLOSE_CALL, OPEN_CALL
 from rlhf.errors import UserError
 
@@ -65,13 +65,6 @@ def trace_record(a: int, b: int) -> dict:
 def write_multiply_tool_data(out_dir: str | Path, seed: int = 0, val_size: int = 200,
                              sft_size: int = 400) -> dict[str, Path]:
     """Write the four files listed in the module docstring into `out_dir`; return name -> path."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     train, val = split_pairs(seed, val_size)
-    files = {"rl_train": (train, rl_record), "rl_val": (val, rl_record),
-             "sft_train": (train[:sft_size], trace_record), "sft_val": (val, trace_record)}
-    paths = {}
-    for name, (pairs, make) in files.items():
-        paths[name] = out / f"{name}.jsonl"
-        write_jsonl(paths[name], (make(a, b) for a, b in pairs))
-    return paths
+    return write_task_files(out_dir, {"rl_train": (train, rl_record), "rl_val": (val, rl_record),
+                                      "sft_train": (train[:sft_size], trace_record), "sft_val": (val, trace_record)})

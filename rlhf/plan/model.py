@@ -6,12 +6,12 @@ The table copies each model's public config.json (the URL is beside each entry);
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rlhf.errors import UserError
+from rlhf.model_config import read_config_json
 
 
 @dataclass(frozen=True)
@@ -150,14 +150,7 @@ def load_model(ref: str) -> ModelSpec:
     path = Path(ref)
     if path.is_dir() or path.suffix == ".json":
         cfg_file = path / "config.json" if path.is_dir() else path
-        if not cfg_file.is_file():
-            raise UserError(f"--model: {cfg_file} does not exist (expected an HF model folder with config.json)")
-        try:
-            c = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as e:
-            raise UserError(f"--model: {cfg_file} line {e.lineno} is not valid JSON: {e.msg}") from None
-        if not isinstance(c, dict):
-            raise UserError(f"--model: {cfg_file} must hold a JSON object")
+        c = read_config_json(path, "--model")
         return spec_from_hf(c, path.name if path.is_dir() else path.parent.name, str(cfg_file))
     if ref in PRESETS:
         return spec_from_hf(preset_config(ref), ref, f"preset {ref}")

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from workers.lazy import lazy_getattr
 
-# Imported on first use, so that importing one light module of this package (its config classes, which
-# the schema builds on) does not import Ray, torch.distributed or vLLM.
-_EXPORTS = {
+_EXPORTS = {  # name -> module, imported on first use (workers/lazy.py)
     "GroupFuture": "workers.group.group",
     "ResourcePool": "workers.group.pool",
     "ResourceUnavailableError": "workers.group.errors",
@@ -22,8 +19,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

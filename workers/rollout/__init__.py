@@ -5,12 +5,9 @@ vLLM is imported lazily (inside the worker), so importing this package is cheap.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from workers.lazy import lazy_getattr
 
-# Imported on first use, so that importing one light module of this package (its config classes, which
-# the schema builds on) does not import Ray, torch.distributed or vLLM.
-_EXPORTS = {
+_EXPORTS = {  # name -> module, imported on first use (workers/lazy.py)
     "EngineConfig": "workers.rollout.config",
     "RolloutError": "workers.rollout.group",
     "RolloutGroup": "workers.rollout.group",
@@ -25,8 +22,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

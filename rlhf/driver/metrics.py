@@ -146,7 +146,12 @@ class MetricsLogger:
             self._bar.close()
         if self._wandb is not None:
             try:
+                import wandb as wb
+
                 self._wandb.finish()
+                # finish() can return before wandb's service has flushed the run file; teardown waits for the
+                # service to exit, so the offline run is complete on disk (for `wandb sync`) once close returns.
+                wb.teardown()
             except Exception as e:  # noqa: BLE001 - wandb never stops training
                 self._wandb_failed("finish", e)
 

@@ -59,6 +59,8 @@ def test_offline_run_holds_the_logged_metrics(tmp_path):
 
     (run_file,) = (out / "wandb").glob("offline-run-*/run-*.wandb")
     records = wandb_records(run_file)
+    kinds = [r.WhichOneof("record_type") for r in records]
+    assert "run" in kinds and "exit" in kinds, f"{run_file} ({run_file.stat().st_size} bytes) is incomplete: {kinds}"
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     assert run.display_name == "my_run" and run.project == "rlhf"
     config = {i.key: json.loads(i.value_json) for i in run.config.update}  # the resolved config

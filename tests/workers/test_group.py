@@ -189,8 +189,10 @@ def test_shared_wait_reports_failures_by_index_and_stops_when_on_poll_raises(clu
     with pytest.raises(WorkerGroupError, match="failed"):
         wait_all([task.remote(30, False), task.remote(0.1, True)], 60, on_failure, on_timeout)
     assert seen == {"failures": [(1, "ValueError")], "pending": [0]}
+    done = task.remote(0.1, False)
+    ray.get(done, timeout=300)  # finished before the wait starts, however slowly the machine starts workers
     with pytest.raises(WorkerTimeoutError, match=r"stuck \[0\]"):
-        wait_all([task.remote(30, False), task.remote(0.1, False)], 2, on_failure, on_timeout)
+        wait_all([task.remote(30, False), done], 2, on_failure, on_timeout)
     t0 = time.monotonic()
 
     def on_poll():

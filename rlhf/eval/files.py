@@ -80,7 +80,7 @@ def need_text(path: Path, line: int, row: dict, key: str, what: str = "a non-emp
 def _answer_index(path: Path, line: int, ans: Any, n: int) -> int:
     """An answer letter (A..) or a 0-based index into the n choices; booleans are neither."""
     letters = LETTERS[:n]
-    if isinstance(ans, str) and ans.strip().upper() in letters and ans.strip():
+    if isinstance(ans, str) and len(ans.strip()) == 1 and ans.strip().upper() in letters:
         return letters.index(ans.strip().upper())
     if isinstance(ans, int) and not isinstance(ans, bool) and 0 <= ans < n:
         return ans

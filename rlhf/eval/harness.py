@@ -152,17 +152,17 @@ def load_harness_task(name: str, arg: str, limit: int | None, num_fewshot: int |
 
 def evaluate_harness(engine: Any, tokenizer: Any, task: Task, opts: Any) -> dict[str, Any]:
     """Run lm-eval's evaluator on the task with our engine as its model; its metrics, in our result layout."""
-    from lm_eval import simple_evaluate
+    from lm_eval.evaluator import evaluate
     from lm_eval.tasks import TaskManager
 
     from rlhf.eval.engine_lm import EngineLM
 
     obj = task.harness
     lm = EngineLM(engine, tokenizer, opts, greedy_check=obj.get_config("output_type") == "loglikelihood")
-    out = simple_evaluate(model=lm, tasks=[obj], task_manager=TaskManager(include_defaults=False),
-                          limit=task.config["limit"], bootstrap_iters=1000, log_samples=True, random_seed=opts.seed,
-                          numpy_random_seed=opts.seed, torch_random_seed=opts.seed, fewshot_random_seed=opts.seed,
-                          confirm_run_unsafe_code=False)
+    # lm-eval's evaluator itself (simple_evaluate adds seeding of the process's global RNGs, which the training
+    # driver keeps for itself, and environment reports); the few-shot seed was set when the task was loaded
+    out = evaluate(lm=lm, task_dict=TaskManager(include_defaults=False).load([obj]), limit=task.config["limit"],
+                   bootstrap_iters=1000, log_samples=True, confirm_run_unsafe_code=False)
     assert out is not None  # rank 0
     name = task.config["lm_eval_task"]
     raw = out["results"][name]
@@ -177,8 +177,13 @@ def evaluate_harness(engine: Any, tokenizer: Any, task: Task, opts: Any) -> dict
     if not metrics:
         raise UserError(f"task {task.name}: lm-eval reported no metrics ({sorted(raw)})")
     main = next(iter(metrics))
-    samples = [{"doc_id": s["doc_id"], "arguments": s["arguments"], "responses": s["filtered_resps"],
-                "target": s["target"], **{k: s[k] for k in metrics if k in s}} for s in out["samples"][name]]
+    by_doc: dict[int, dict[str, Any]] = {}  # lm-eval logs a sample per document and filter: one per document
+    for s in out["samples"][name]:
+        d = by_doc.setdefault(s["doc_id"], {"doc_id": s["doc_id"], "arguments": s["arguments"], "target": s["target"],
+                                            "responses": [r[0] if len(r) == 1 else r for r in s["resps"]],
+                                            "filtered": {}})
+        d["filtered"][s["filter"]] = {"responses": s["filtered_resps"], **{m: s[m] for m in s["metrics"] if m in s}}
+    samples = list(by_doc.values())
     cfg = out["configs"][name]
     lm_cfg = {k: cfg.get(k) for k in ("output_type", "num_fewshot", "metric_list", "generation_kwargs",
                                       "fewshot_split", "description")}

@@ -29,8 +29,10 @@ class EvalOptions:
     sandbox: SandboxLimits = field(default_factory=lambda: SandboxLimits(wall_s=10.0, cpu_s=5.0))
     progress: bool = True  # a bar per task on stderr (off during training: the training bar is there)
 
-    def ks(self) -> list[int]:
-        return sorted({k for k in (self.k or [1, self.n]) if k <= self.n})
+    def ks(self, n: int | None = None) -> list[int]:
+        """The k of pass@k reported for `n` samples per item (default: opts.n)."""
+        n = self.n if n is None else n
+        return sorted({k for k in (self.k or [1, n]) if k <= n})
 
     def recorded(self) -> dict[str, Any]:
         return {"n": self.n, "temperature": self.temperature, "max_tokens": self.max_tokens, "seed": self.seed,
@@ -123,8 +125,7 @@ def _code(task: Task, responses: list[list[str]], opts: EvalOptions, bar: Any = 
                        on_done=None if bar is None else lambda _: bar.update(1))
     ok = [code_passed(r, token) for r, (_, token) in zip(results, guarded)]
     passed = [ok[i * n:(i + 1) * n] for i in range(len(task.items))]
-    ks = sorted({k for k in (opts.k or [1, n]) if k <= n})
-    metrics: dict[str, Any] = _pass_at([sum(p) for p in passed], n, ks)
+    metrics: dict[str, Any] = _pass_at([sum(p) for p in passed], n, opts.ks(n))
     statuses: dict[str, int] = {}
     for r in results:
         statuses[r.status] = statuses.get(r.status, 0) + 1

@@ -20,15 +20,17 @@ def known_tasks() -> list[str]:
             "lm_eval:<task or yaml>[:<file>]"]
 
 
-def load_task(name: str, limit: int | None = None, num_fewshot: int = 0, seed: int = 0) -> Task:
-    """The task called `name` with at most `limit` items; an unknown name lists the known ones."""
+def load_task(name: str, limit: int | None = None, num_fewshot: int | None = None, seed: int = 0) -> Task:
+    """The task called `name` with at most `limit` items and `num_fewshot` examples per prompt (None: 0, or
+    an lm-eval task's own default); an unknown name lists the known ones."""
     kind, _, arg = name.partition(":")
-    if num_fewshot < 0:
+    if num_fewshot is not None and num_fewshot < 0:
         raise UserError(f"--num-fewshot must be >= 0, got {num_fewshot}")
     if kind == "lm_eval" and arg:
         from rlhf.eval.harness import load_harness_task
 
         return load_harness_task(name, arg, limit, num_fewshot, seed)
+    num_fewshot = num_fewshot or 0
     if kind == "humaneval" and not arg:
         from rlhf.eval.code_files import humaneval_task
 

@@ -88,16 +88,17 @@ def _check_output(out: Path) -> None:
 
 
 def _evaluate(args: argparse.Namespace, tasks: list, ks: list[int]) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
     from rlhf.commands.generate import hf_folder
     from rlhf.eval.run import EvalOptions, evaluate
-    from workers.rollout import EngineConfig, RolloutGroup
 
     opts = EvalOptions(n=args.n, temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed, k=ks)
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="rlhf-eval-") as tmp:
-        model = hf_folder(args.model, tmp, args.trust_checkpoint)
+        model = hf_folder(args.model, tmp, args.trust_checkpoint)  # a bad folder fails before the engine's imports
+        from transformers import AutoTokenizer
+
+        from workers.rollout import EngineConfig, RolloutGroup
+
         tokenizer = AutoTokenizer.from_pretrained(model)
         engine = RolloutGroup(EngineConfig(model_path=model, dtype=args.dtype, kv_cache_gb=0.5), in_process=True)
         try:

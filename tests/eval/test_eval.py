@@ -234,7 +234,7 @@ def test_eval_command_end_to_end_and_compare(tiny_model_factory, tmp_path):
     assert r.stdout.count("| humaneval |") == 1
 
 
-def test_bad_input_is_one_line(tmp_path):
+def test_bad_input_is_one_line(tmp_path, capsys):
     with pytest.raises(UserError, match="unknown task 'nope'; known: humaneval"):
         load_task("nope")
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"question": "q", "choices": ["a", "b"], "answer": "A"},
@@ -243,14 +243,16 @@ def test_bad_input_is_one_line(tmp_path):
         load_task(f"mc:{bad}")
     with pytest.raises(UserError, match="not found"):
         load_task(f"gsm8k:{tmp_path / 'missing.jsonl'}")
+    from rlhf.cli import main
+
     (tmp_path / "afile").write_text("")
     for extra, words in ([[], "not a converted megatron checkpoint"],
-                         [["--output", str(tmp_path / "afile" / "r.json")], "--output"],
+                         [["--output", str(tmp_path / "afile" / "r.json")], "cannot write there"],
                          [["--k", "1,3"], "pass@3 needs 1 <= k <= --n"]):
-        r = subprocess.run([sys.executable, "-m", "rlhf", "eval", "--model", str(tmp_path), "--tasks", "humaneval",
-                            *extra], capture_output=True, text=True, timeout=300)
-        last = r.stderr.strip().splitlines()[-1]
-        assert r.returncode == 2 and words in last and "Traceback" not in r.stderr, r.stderr[-2000:]
+        code = main(["eval", "--model", str(tmp_path), "--tasks", "humaneval", "--output",
+                     str(tmp_path / "r.json"), *extra])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and err.startswith("rlhf eval: error: ") and words in err and "\n" not in err, err
 
 
 @pytest.mark.parametrize("kind,row,words", [

@@ -42,7 +42,9 @@ def parse_spec(arg: str) -> tuple[str, Path | None, Path | None]:
         if p is not None and not p.is_file():
             raise UserError(f"task lm_eval:{arg}: data file {p} not found")
         if p is not None and p.suffix not in LOCAL_BUILDERS:
-            raise UserError(f"task lm_eval:{arg}: {p} must be one of {', '.join(LOCAL_BUILDERS)}")
+            raise UserError(f"task lm_eval:{arg}: {p} must end in one of {', '.join(LOCAL_BUILDERS)}")
+    if paths[0] and paths[1] and LOCAL_BUILDERS[paths[0].suffix] != LOCAL_BUILDERS[paths[1].suffix]:
+        raise UserError(f"task lm_eval:{arg}: the examples file must have the data file's format ({paths[0].suffix})")
     return task, paths[0], paths[1]
 
 

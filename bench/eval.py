@@ -49,7 +49,7 @@ def main() -> int:
     from lm_eval.models.huggingface import HFLM
     from transformers import AutoTokenizer
 
-    from rlhf.eval.run import option_logprobs
+    from rlhf.eval.loglik import option_logprobs
     from rlhf.eval.tasks import load_task
     from workers.rollout import EngineConfig, RolloutGroup
 

@@ -186,3 +186,37 @@ def mcore_to_hf(
                 write_hf_index(tmp, files)
             _copy_non_weight_files(Path(mcore_dir) / HF_SUBDIR, tmp)
     return Path(out_dir)
+
+
+def training_checkpoint_view(policy_dir: str | Path, view_dir: str | Path) -> Path:
+    """A training checkpoint's policy (`<run>/checkpoints/<step>/policy`, written by the trainer, no
+    rlhf_mcore.json) laid out as a converted checkpoint under `view_dir` for `mcore_to_hf`: `model` links to
+    the policy folder (its manifest is checked as usual), `hf/` and the metadata come from the model, layout
+    and dtype that the run's config.yaml names."""
+    from rlhf.config.load import load_config
+    from workers.megatron.mcore_checkpoint import HF_SUBDIR, MODEL_SUBDIR
+    from workers.megatron.model_provider import DEFAULT_VOCAB_DIVISOR, padded_vocab_size
+
+    policy = Path(policy_dir).resolve()
+    run_config = policy.parents[2] / "config.yaml" if len(policy.parents) > 2 else Path("config.yaml")
+    if policy.name != "policy" or not run_config.is_file():
+        raise UserError(f"{policy_dir} is not a converted megatron checkpoint (no rlhf_mcore.json) nor a training "
+                        f"checkpoint <run>/checkpoints/<step>/policy with <run>/config.yaml; convert it with "
+                        "`rlhf convert` or pass an HF folder")
+    cfg = load_config(run_config, validate=False)
+    model = cfg.policy.model_path or cfg.model.path
+    if not model or not (Path(model) / "config.json").is_file():
+        raise UserError(f"{run_config}: model.path {model!r} (the policy's model) is not an HF folder; the "
+                        "training checkpoint cannot be read without its config.json")
+    hf_cfg = _load_config(Path(model))
+    tp, pp, ep = cfg.policy.parallel.tp, cfg.policy.parallel.pp, cfg.policy.parallel.ep
+    view = Path(view_dir)
+    with file_errors(view, "write"):
+        (view / HF_SUBDIR).mkdir(parents=True, exist_ok=True)
+        (view / MODEL_SUBDIR).symlink_to(policy, target_is_directory=True)
+        tokenizer = cfg.model.tokenizer_path
+        if tokenizer and Path(tokenizer).is_dir():
+            _copy_non_weight_files(Path(tokenizer), view / HF_SUBDIR)
+        finish_mcore_checkpoint(view, model, hf_cfg, tp, pp, cfg.policy.dtype,
+                                padded_vocab_size(hf_cfg.vocab_size, tp, DEFAULT_VOCAB_DIVISOR), ep)
+    return view

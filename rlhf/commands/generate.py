@@ -11,7 +11,8 @@ from pathlib import Path
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate answers with the vLLM rollout engine")
-    p.add_argument("--model", required=True, help="HF model folder, or a megatron checkpoint from `rlhf convert`")
+    p.add_argument("--model", required=True, help="HF model folder, a megatron checkpoint from `rlhf convert`, or a "
+                                                   "training checkpoint (<run>/checkpoints/<step>/policy)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt (sent as a user chat message unless --raw)")
     src.add_argument("--input", help="jsonl with `prompt` (text) or `messages` (chat) per line")
@@ -60,9 +61,12 @@ def hf_folder(model: str, tmp: str, trust: bool = False) -> str:
         except ValueError as e:
             raise UserError(f"--model: {e}") from None
         return str(path)
-    if path.is_dir():  # a converted megatron checkpoint: export it to HF first
-        from rlhf.checkpoint.convert import mcore_to_hf
+    if path.is_dir():  # a converted megatron checkpoint, or a training one: export it to HF first
+        from rlhf.checkpoint.convert import mcore_to_hf, training_checkpoint_view
+        from workers.megatron.mcore_checkpoint import META_FILE
 
+        if not (path / META_FILE).is_file() and (path / "metadata.json").is_file():
+            path = training_checkpoint_view(path, Path(tmp) / "mcore")
         return str(mcore_to_hf(path, Path(tmp) / "hf", trust=trust))
     raise UserError(f"--model: {model} is neither an HF folder (config.json) nor a megatron checkpoint folder")
 

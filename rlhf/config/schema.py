@@ -163,8 +163,10 @@ class TrainerConfig:
     seed: int = 0
     save_every: int = 0  # 0: only at the end
     val_every: int = 0  # 0: only at the start and the end
-    # RL: `rlhf eval` tasks (e.g. [humaneval, "rg:basic_arithmetic"]) on the current policy through the running
-    # engine every eval_every steps and after the last; logged as eval/<task>/<metric>. 0: off.
+    # RL: `rlhf eval` tasks (e.g. [humaneval, "rg:basic_arithmetic", "mc:mmlu_test.csv"]) on the current policy
+    # through the running engine every eval_every steps and after the last (file tasks zero-shot, lm_eval: tasks
+    # with their own few-shot default); logged as eval/<task>/<metric>, a file task by its stem
+    # (eval/mc:mmlu_test/acc). 0: off.
     eval_every: int = 0
     eval_tasks: list[str] = field(default_factory=list)
     eval_limit: int | None = 100  # items per task

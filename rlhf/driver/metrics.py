@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-import sys
+import re
 import time
 import warnings
 from contextlib import contextmanager
@@ -22,6 +22,14 @@ GAUGE_KEYS = (
     "loss", "lr", "grad_norm",
 )
 BAR_KEYS = ("reward_mean", "val/accuracy", "kl", "loss", "grad_norm", "step_time_s")
+_NOT_IN_GAUGE_NAME = re.compile(r"[^a-zA-Z0-9_:]")
+
+
+def gauge_name(prefix: str, key: str) -> str:
+    """A Ray gauge name for a metric key: Ray accepts only `[a-zA-Z_:][a-zA-Z0-9_:]*`, so every other character
+    (`/`, `-`, `@`, `.`) becomes `_` (`eval/humaneval/pass@1` -> `rlhf_eval_humaneval_pass_1`)."""
+    name = _NOT_IN_GAUGE_NAME.sub("_", f"{prefix}_{key}")
+    return name if re.match(r"[a-zA-Z_:]", name) else f"_{name}"
 
 
 class PhaseTimer:
@@ -83,11 +91,9 @@ class MetricsLogger:
         self._prefix = prefix
         self._bar = None
         if progress_bar:
-            from tqdm import tqdm
+            from rlhf.progress import progress_bar as bar
 
-            # Off a terminal (a log file, CI) the bar is redrawn at most every 5 s rather than every step.
-            self._bar = tqdm(total=total_steps, initial=start_step, desc=prefix, file=sys.stderr, dynamic_ncols=True,
-                             mininterval=0.1 if sys.stderr.isatty() else 5.0)
+            self._bar = bar(total_steps, prefix, initial=start_step)
         self._wandb = None
         if wandb is not None:
             try:
@@ -110,8 +116,7 @@ class MetricsLogger:
             if not ray.is_initialized():
                 return
             if key not in self._gauges:
-                name = f"{self._prefix}_{key}".replace("/", "_").replace("-", "_")
-                self._gauges[key] = Gauge(name, description=f"{self._prefix} {key}")
+                self._gauges[key] = Gauge(gauge_name(self._prefix, key), description=f"{self._prefix} {key}")
             self._gauges[key].set(float(value))
         except Exception:  # noqa: BLE001 - metrics export must never break training
             pass

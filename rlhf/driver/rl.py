@@ -53,7 +53,7 @@ def eval_tasks(cfg: RunConfig) -> Callable[[Roles], dict[str, float]] | None:
 
     tasks = [load_task(name, t.eval_limit, seed=t.seed) for name in t.eval_tasks]
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
-    opts = EvalOptions(max_tokens=t.eval_max_tokens, seed=t.seed)
+    opts = EvalOptions(max_tokens=t.eval_max_tokens, seed=t.seed, progress=False)  # the training bar is on
     return lambda roles: eval_metrics(roles.rollout.group, tokenizer, tasks, opts)
 class NonFiniteGuard:
     """Stops a run whose policy updates keep being skipped (NaN/Inf gradient norm), as the LM runner does:

@@ -1,16 +1,21 @@
 """Evaluate tasks on a rollout engine: batched generation (prefix caching shares few-shot heads), option
-log-likelihoods from the engine's prompt log-probs, model-written code in the sandbox."""
+log-likelihoods from next-token log-probs (short options) or prompt log-probs (long ones), model-written code
+in the sandbox; a progress bar per task."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from rlhf.eval.code import passed as code_passed
 from rlhf.eval.code import with_token
+from rlhf.eval.items import Task
+from rlhf.eval.loglik import option_logprobs
 from rlhf.eval.scoring import mean_stderr, pass_at_k
-from rlhf.eval.tasks import Item, Task
+from rlhf.progress import progress_bar
 from workers.sandbox import SandboxLimits, run_many
+
+CHUNK = 64  # items per engine call: the bar moves between calls; the engine batches within one
 
 
 @dataclass
@@ -19,74 +24,108 @@ class EvalOptions:
     temperature: float = 0.0
     max_tokens: int = 256
     seed: int = 0
+    k: list[int] = field(default_factory=list)  # pass@k reported (default: 1 and n)
     sandbox_workers: int = 2
     sandbox: SandboxLimits = field(default_factory=lambda: SandboxLimits(wall_s=10.0, cpu_s=5.0))
+    progress: bool = True  # a bar per task on stderr (off during training: the training bar is there)
+
+    def ks(self, n: int | None = None) -> list[int]:
+        """The k of pass@k reported for `n` samples per item (default: opts.n)."""
+        n = self.n if n is None else n
+        return sorted({k for k in (self.k or [1, n]) if k <= n})
+
+    def recorded(self) -> dict[str, Any]:
+        return {"n": self.n, "temperature": self.temperature, "max_tokens": self.max_tokens, "seed": self.seed,
+                "k": self.ks()}
 
 
 def evaluate(engine: Any, tokenizer: Any, task: Task, opts: EvalOptions) -> dict[str, Any]:
     """One task's result: {metric, value, stderr, n, config, metrics (all of them), samples}."""
-    if task.kind == "choice":
-        metrics, samples = _choice(engine, tokenizer, task)
-    else:
-        responses = generate(engine, task, opts)
-        if task.kind == "code":
-            metrics, samples = _code(task, responses, opts)
+    if task.kind == "harness":
+        from rlhf.eval.harness import evaluate_harness
+
+        return evaluate_harness(engine, tokenizer, task, opts)
+    bar = progress_bar(len(task.items), task.short, unit="item", enabled=opts.progress, leave=False)
+    try:
+        if task.kind == "choice":
+            metrics, samples = _choice(engine, tokenizer, task, bar)
         else:
-            metrics, samples = _scored(task, responses)
+            responses = generate(engine, task, opts, bar)
+            if task.kind == "code":
+                metrics, samples = _code(task, responses, opts, bar)
+            else:
+                metrics, samples = _scored(task, responses, opts)
+    finally:
+        bar.close()
     main = next(iter(metrics))
-    config = {"kind": task.kind, **({} if task.kind == "choice" else
-                                    {k: v for k, v in asdict(opts).items() if k != "sandbox"})}
+    config = {"kind": task.kind, **task.config, **({} if task.kind == "choice" else opts.recorded())}
     return {"metric": main, "value": metrics[main]["value"], "stderr": metrics[main]["stderr"],
             "n": len(task.items), "config": config, "metrics": metrics, "samples": samples}
 
 
+def metric_names(tasks: list[Task]) -> list[str]:
+    """The name of each task in metric keys: its short name, or its full one where two short names clash."""
+    shorts = [t.short for t in tasks]
+    return [t.short if shorts.count(t.short) == 1 else t.name for t in tasks]
+
+
 def eval_metrics(engine: Any, tokenizer: Any, tasks: list[Task], opts: EvalOptions) -> dict[str, float]:
-    """Every task's scalar metrics as `eval/<task>/<metric>` (for the training loop's metric sinks)."""
+    """Every task's scalar metrics as `eval/<task>/<metric>` (for the training loop's metric sinks), the task
+    by its short name (`mc:abstract_algebra_test`, not the file's path)."""
     out = {}
-    for task in tasks:
-        for name, m in evaluate(engine, tokenizer, task, opts)["metrics"].items():
+    for task, name in zip(tasks, metric_names(tasks)):
+        for metric, m in evaluate(engine, tokenizer, task, opts)["metrics"].items():
             if isinstance(m["value"], (int, float)):
-                out[f"eval/{task.name}/{name}"] = float(m["value"])
+                out[f"eval/{name}/{metric}"] = float(m["value"])
     return out
 
 
-def generate(engine: Any, task: Task, opts: EvalOptions) -> list[list[str]]:
+def generate(engine: Any, task: Task, opts: EvalOptions, bar: Any = None) -> list[list[str]]:
     """`opts.n` responses per item, in item order."""
     from workers.batch import Batch
     from workers.rollout import SamplingConfig
 
     sampling = SamplingConfig(n=opts.n, temperature=opts.temperature, max_tokens=opts.max_tokens, seed=opts.seed,
                               stop=list(task.stop)).validate()
-    out = engine.generate(Batch(meta={"prompt": [it.prompt for it in task.items]}), sampling)
-    texts = list(out["response_text"])
+    texts: list[str] = []
+    for start in range(0, len(task.items), CHUNK):
+        chunk = task.items[start:start + CHUNK]
+        out = engine.generate(Batch(meta={"prompt": [it.prompt for it in chunk]}), sampling)
+        texts += list(out["response_text"])
+        if bar is not None and task.kind != "code":  # a code task's bar counts its sandbox runs
+            bar.update(len(chunk))
     return [texts[i * opts.n:(i + 1) * opts.n] for i in range(len(task.items))]
 
 
-def _scored(task: Task, responses: list[list[str]]) -> tuple[dict, list]:
+def _pass_at(counts: list[int], n: int, ks: list[int]) -> dict[str, dict[str, float]]:
+    return {f"pass@{k}": dict(zip(("value", "stderr"), mean_stderr([pass_at_k(n, c, k) for c in counts])))
+            for k in ks}
+
+
+def _scored(task: Task, responses: list[list[str]], opts: EvalOptions) -> tuple[dict, list]:
     assert task.score is not None
     per_item = [[task.score(it, r) for r in rs] for it, rs in zip(task.items, responses)]
     acc, se = mean_stderr([sum(s) / len(s) for s in per_item])
     metrics = {"accuracy": {"value": acc, "stderr": se}}
-    n = len(responses[0])
-    for k in sorted({1, n}) if n > 1 else []:
-        vals = [pass_at_k(n, int(sum(s)), k) for s in per_item]
-        metrics[f"pass@{k}"] = dict(zip(("value", "stderr"), mean_stderr(vals)))
+    if opts.n > 1:
+        metrics.update(_pass_at([int(sum(s)) for s in per_item], opts.n, opts.ks()))
     samples = [{"prompt": it.prompt, "gold": it.gold, "responses": rs, "scores": s}
                for it, rs, s in zip(task.items, responses, per_item)]
     return metrics, samples
 
 
-def _code(task: Task, responses: list[list[str]], opts: EvalOptions) -> tuple[dict, list]:
+def _code(task: Task, responses: list[list[str]], opts: EvalOptions, bar: Any = None) -> tuple[dict, list]:
     assert task.program is not None
+    n = len(responses[0]) if responses else opts.n
     guarded = [with_token(task.program(it, r)) for it, rs in zip(task.items, responses) for r in rs]
-    results = run_many([g[0] for g in guarded], opts.sandbox, workers=opts.sandbox_workers)
+    if bar is not None:
+        bar.reset(total=len(guarded))
+        bar.unit = "run"
+    results = run_many([g[0] for g in guarded], opts.sandbox, workers=opts.sandbox_workers,
+                       on_done=None if bar is None else lambda _: bar.update(1))
     ok = [code_passed(r, token) for r, (_, token) in zip(results, guarded)]
-    n = opts.n
     passed = [ok[i * n:(i + 1) * n] for i in range(len(task.items))]
-    metrics = {}
-    for k in sorted({1, n}):
-        vals = [pass_at_k(n, sum(p), k) for p in passed]
-        metrics[f"pass@{k}"] = dict(zip(("value", "stderr"), mean_stderr(vals)))
+    metrics: dict[str, Any] = _pass_at([sum(p) for p in passed], n, opts.ks(n))
     statuses: dict[str, int] = {}
     for r in results:
         statuses[r.status] = statuses.get(r.status, 0) + 1
@@ -96,47 +135,13 @@ def _code(task: Task, responses: list[list[str]], opts: EvalOptions) -> tuple[di
     return metrics, samples
 
 
-SHORT_OPTION_TOKENS = 4  # options up to this long are scored token by token from the prefix cache
-
-
-def option_logprobs(engine: Any, tokenizer: Any, items: list[Item]) -> list[list[float]]:
-    """Sum of the log-probs of each option's tokens after its item's context, from the engine.
-
-    Short options (MMLU's letters) are scored token by token: one next-token request per distinct prefix
-    (context + the option's first j tokens), asking for the log-probs of every option token that follows it;
-    those requests share their prefixes through the prefix cache. Longer options are scored whole by prompt
-    log-probs (which vLLM computes without the cache)."""
-    out: list[list[float]] = [[] for _ in items]
-    prefixes: dict[tuple[int, ...], set[int]] = {}
-    short: list[tuple[int, list[int], list[list[int]]]] = []
-    seqs, spans = [], []
-    for i, it in enumerate(items):
-        ctx = tokenizer.encode(it.prompt)
-        conts = [tokenizer.encode(c, add_special_tokens=False) for c in it.choices]
-        if max(len(c) for c in conts) <= SHORT_OPTION_TOKENS:
-            short.append((i, ctx, conts))
-            for cont in conts:
-                for j, tok in enumerate(cont):
-                    prefixes.setdefault(tuple(ctx + cont[:j]), set()).add(tok)
-        else:
-            for cont in conts:
-                seqs.append(ctx + cont)
-                spans.append((i, len(ctx), len(cont)))
-    if prefixes:
-        keys = list(prefixes)
-        lps = engine.next_token_logprobs([list(k) for k in keys], [sorted(prefixes[k]) for k in keys])
-        table = {k: dict(zip(sorted(prefixes[k]), lp)) for k, lp in zip(keys, lps)}
-        for i, ctx, conts in short:
-            out[i] = [sum(table[tuple(ctx + c[:j])][t] for j, t in enumerate(c)) for c in conts]
-    if seqs:
-        scores = engine.score_all(seqs)[0]  # one engine's view is enough
-        for lp, (i, start, n) in zip(scores, spans):
-            out[i].append(sum(lp[start - 1:start - 1 + n]))
-    return out
-
-
-def _choice(engine: Any, tokenizer: Any, task: Task) -> tuple[dict, list]:
-    lps = option_logprobs(engine, tokenizer, task.items)
+def _choice(engine: Any, tokenizer: Any, task: Task, bar: Any = None) -> tuple[dict, list]:
+    lps: list[list[float]] = []
+    for start in range(0, len(task.items), CHUNK):
+        chunk = task.items[start:start + CHUNK]
+        lps += option_logprobs(engine, tokenizer, chunk)
+        if bar is not None:
+            bar.update(len(chunk))
     hits = [float(max(range(len(lp)), key=lp.__getitem__) == it.gold) for it, lp in zip(task.items, lps)]
     hits_norm = [float(max(range(len(lp)), key=lambda j: lp[j] / max(len(it.choices[j]), 1)) == it.gold)
                  for it, lp in zip(task.items, lps)]

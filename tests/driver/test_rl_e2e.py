@@ -78,8 +78,23 @@ def test_ppo_two_steps(tmp_path):
         assert 0 <= row["mismatch/logprob_abs_diff_mean"] <= row["mismatch/logprob_abs_diff_max"] < 1e-3, row
     for row in rows:
         assert 0.0 <= row["eval/rg:basic_arithmetic/accuracy"] <= 1.0 and 0.0 <= row["eval/humaneval/pass@1"] <= 1.0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(run / "tensorboard"))
+    tb.Reload()
+    for tag in ("eval/rg:basic_arithmetic/accuracy", "eval/humaneval/pass@1"):
+        assert [e.step for e in tb.Scalars(tag)] == [1, 2], tag
     latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
     assert (latest / "critic").is_dir() and (latest / "policy").is_dir()
+    # `rlhf eval --model <run>/checkpoints/<step>/policy`: the training checkpoint read through the run's
+    # config.yaml is the policy the run exported at its end (the same step-2 weights, bit for bit)
+    from safetensors.torch import load_file
+
+    from rlhf.commands.generate import hf_folder
+
+    exported = load_file(Path(hf_folder(str(latest / "policy"), str(tmp_path / "view"))) / "model.safetensors")
+    final = load_file(run / "hf" / "model.safetensors")
+    assert sorted(exported) == sorted(final) and all(exported[k].equal(final[k]) for k in final)
 
 
 def test_resume_is_deterministic(tmp_path):

@@ -131,8 +131,10 @@ def test_printing_100_mb_is_cut_at_the_cap():
 def test_errors_and_stdin_and_many_runs():
     r = run_code("import sys\nprint(sys.stdin.read().upper())\nraise SystemExit(3)\n", FAST, stdin="abc")
     assert r.status == "error" and r.returncode == 3 and r.stdout.strip() == "ABC", r
-    results = run_many([f"print({i} * {i})" for i in range(6)], FAST, workers=3)
+    done: list[str] = []  # on_done sees each result as it finishes (what a progress bar counts)
+    results = run_many([f"print({i} * {i})" for i in range(6)], FAST, workers=3, on_done=lambda r: done.append(r.stdout))
     assert [x.stdout.strip() for x in results] == [str(i * i) for i in range(6)]
+    assert sorted(done) == sorted(x.stdout for x in results)
     assert all(x.status == "ok" for x in results)
 
 

@@ -101,5 +101,7 @@ def load_model(model: torch.nn.Module, ckpt_dir: str | Path, trust: bool = False
         raise ValueError(f"{target} is not a dist_checkpointing checkpoint (metadata.json missing)")
     check_checkpoint(target, trust)  # before anything in the folder is unpickled
     with torch.no_grad():
-        state = dist_checkpointing.load(model.sharded_state_dict(), str(target))
-        model.load_state_dict(state, strict=True)
+        wanted = model.sharded_state_dict()
+        state = dist_checkpointing.load(wanted, str(target))
+        # a training checkpoint's common state also holds its optimizer, scheduler and metadata: the model's only
+        model.load_state_dict({k: v for k, v in state.items() if k in wanted}, strict=True)

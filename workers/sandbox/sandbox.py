@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -63,10 +63,18 @@ def run_code(code: str, limits: SandboxLimits | None = None, stdin: str = "") ->
     return _run(code, limits or SandboxLimits(), stdin, isolated=namespaces_available())
 
 
-def run_many(codes: Iterable[str], limits: SandboxLimits | None = None, workers: int = 2) -> list[SandboxResult]:
-    """`run_code` over many scripts, `workers` at a time (each run is a process; threads only wait)."""
+def run_many(codes: Iterable[str], limits: SandboxLimits | None = None, workers: int = 2,
+             on_done: Callable[[SandboxResult], None] | None = None) -> list[SandboxResult]:
+    """`run_code` over many scripts, `workers` at a time (each run is a process; threads only wait);
+    `on_done` is called with each result as it finishes (a progress bar)."""
+    def one(code: str) -> SandboxResult:
+        result = run_code(code, limits)
+        if on_done is not None:
+            on_done(result)
+        return result
+
     with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="sandbox") as pool:
-        return list(pool.map(lambda c: run_code(c, limits), codes))
+        return list(pool.map(one, codes))
 
 
 def _run(code: str, limits: SandboxLimits, stdin: str, isolated: bool) -> SandboxResult:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from workers.agent.options import AgentOptions
 from workers.batch import Batch
 from workers.group.errors import (
     WorkerDiedError,
@@ -23,8 +24,8 @@ from workers.group.wait import Failure, is_death, wait_all
 from workers.group.worker import tail_file
 from workers.rollout.config import EngineConfig
 from workers.rollout.prompts import as_batch
-from workers.rollout.sampling import SamplingConfig
-from workers.rollout.worker import RolloutWorker, _sampling
+from workers.rollout.sampling import SamplingConfig, as_sampling
+from workers.rollout.worker import RolloutWorker
 
 ROLE = "rollout"
 
@@ -147,14 +148,12 @@ class RolloutGroup:
 
     # ---- rollout -----------------------------------------------------------------------------
     def generate(self, prompts: Batch | Sequence[Any], sampling: SamplingConfig | dict | None = None,
-                 agent: dict[str, Any] | None = None) -> Batch:
-        """See `RolloutWorker.generate` (with `agent`, the keyword arguments of `generate_agent`: multi-turn
-        tool use); prompts are split across engines, `group_id` stays global."""
-        sp = _sampling(sampling)
+                 agent: AgentOptions | dict[str, Any] | None = None) -> Batch:
+        """See `RolloutWorker.generate` (with `agent`, `RolloutWorker.generate_agent`: multi-turn tool use);
+        prompts are split across engines, `group_id` stays global."""
+        sp = as_sampling(sampling)
         batch = as_batch(prompts)
-        method, extra = ("generate_agent", (agent["tools"], agent["max_turns"], agent["max_total_tokens"],
-                                            agent["tool_timeout_s"], agent.get("env"),
-                                            agent.get("env_reward", "sum"))) if agent else ("generate", ())
+        method, extra = ("generate_agent", (agent,)) if agent else ("generate", ())
         if self.num_engines == 1:
             return self._wait([self._submit(0, method, batch, sp, *extra)], [0], method)[0]
         n = len(batch)

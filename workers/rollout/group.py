@@ -19,6 +19,7 @@ from workers.group.errors import (
     WorkerTimeoutError,
     describe_rank,
     first_lines,
+    refuse_taken_names,
 )
 from workers.group.wait import Failure, is_death, wait_all
 from workers.group.worker import tail_file
@@ -71,7 +72,7 @@ class RolloutGroup:
             if in_process:
                 self.engines = [RolloutWorker(self.cfg, 0, name=self.names[0])]
             else:
-                self._check_names_free()
+                refuse_taken_names(self.names, RolloutError, "rollout group")
                 self.log_paths = [str(Path(log_dir) / self.name / f"{i}.log") if log_dir else None
                                   for i in range(num_engines)]
                 self.engines = [RolloutWorker.start(self.cfg, i, self.log_paths[i],
@@ -83,16 +84,6 @@ class RolloutGroup:
             raise
         self.dtype: str = self.infos[0]["dtype"]
         self.vocab_size: int = int(self.infos[0]["vocab_size"])
-
-    def _check_names_free(self) -> None:
-        import ray
-
-        for name in self.names:
-            try:
-                ray.get_actor(name)
-            except ValueError:
-                continue
-            raise RolloutError(f"an actor named {name!r} already exists; shut that rollout group down or pass name=")
 
     @property
     def num_engines(self) -> int:

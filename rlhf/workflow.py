@@ -23,10 +23,12 @@ import torch
 
 from rlhf.config.schema import RewardConfig, RoleConfig, RunConfig
 from rlhf.driver.rewards import RewardScorer
+from workers.agent.options import AgentOptions
 from workers.batch import Batch
 from workers.config import build
 from workers.megatron.optim_config import OptimSettings
 from workers.roles.loss_config import PPOLossConfig, ValueLossConfig
+from workers.roles.options import MegatronOptions
 
 
 def loss_config(cfg: RunConfig) -> PPOLossConfig:
@@ -56,14 +58,11 @@ def role_group(role: str, rc: RoleConfig, cfg: RunConfig, run_dir: Path, worker_
 
     par, a = rc.parallel, cfg.algorithm
     steps = optimizer_steps or max(1, cfg.trainer.total_steps * a.ppo_epochs * a.mini_batches)
-    return WorkerGroup(
-        role=role, worker_cls=worker_cls, tp=par.tp, pp=par.pp, dp=par.dp,
-        num_cpus_per_worker=rc.resources.num_cpus_per_worker, num_gpus_per_worker=rc.resources.num_gpus_per_worker,
+    return WorkerGroup(  # the resources section's fields are WorkerGroup arguments of the same names
+        role=role, worker_cls=worker_cls, tp=par.tp, pp=par.pp, dp=par.dp, **vars(rc.resources),
         timeout_s=cfg.trainer.timeout_s, log_dir=run_dir / "logs", seed=cfg.trainer.seed, resource_pool=pool,
-        num_threads=rc.resources.num_threads,
-        init_kwargs={"model_path": model_path or rc.model_path or cfg.model.path, "micro_batch_size": rc.micro_batch_size,
-                     "dtype": rc.dtype, "offload": rc.offload, "optim": build(OptimSettings, rc.optim, total_steps=steps),
-                     "ep": par.ep, "moe": rc.moe, **init},
+        init_kwargs=vars(build(MegatronOptions, rc, model_path=model_path or rc.model_path or cfg.model.path,
+                               optim=build(OptimSettings, rc.optim, total_steps=steps), ep=par.ep, **init)),
     )
 
 
@@ -150,7 +149,7 @@ def prompt_batch(records: list[dict[str, Any]]) -> Batch:
 class RolloutHandle:
     """The vLLM rollout engines (a RolloutGroup)."""
 
-    def __init__(self, group: Any, sampling: Any, sync_config: Any, agent: dict[str, Any] | None = None) -> None:
+    def __init__(self, group: Any, sampling: Any, sync_config: Any, agent: AgentOptions | None = None) -> None:
         self.group, self.sampling, self.sync_config, self.agent = group, sampling, sync_config, agent
 
     def generate(self, prompts: list[dict[str, Any]] | Batch, **sampling: Any) -> Batch:
@@ -202,9 +201,7 @@ class Roles:
             engine = build(EngineConfig, r, model_path=cfg.model.path, tokenizer_path=cfg.model.tokenizer_path,
                            logprobs_mode=mode).validate()
             group = RolloutGroup(engine, timeout_s=cfg.trainer.timeout_s, name="rollout", log_dir=run_dir / "logs")
-            agent = {"tools": list(r.tools), "max_turns": r.max_turns, "max_total_tokens": r.max_total_tokens,
-                     "tool_timeout_s": r.tool_timeout_s, "env": r.env, "env_reward": r.env_reward} \
-                if r.tools or r.env else None
+            agent = build(AgentOptions, r) if r.tools or r.env else None
             handles["rollout"] = RolloutHandle(group, build(SamplingConfig, r).validate(),
                                                build(SyncConfig, r, timeout_s=cfg.trainer.timeout_s), agent)
         except BaseException:

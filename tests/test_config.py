@@ -187,3 +187,24 @@ def test_config_reference_documents_aliases_and_dual_clip():
         assert mode in doc
     assert "clip_c: null" in doc and "c = 3" in doc
     assert AlgorithmConfig().clip_c is None
+
+
+def test_every_shipped_config_is_a_learning_example_and_validates(monkeypatch):
+    """Each configs/*.yaml is in `make examples` (examples/learning.py EXAMPLES) with a promise, each example
+    has its config, and every shipped config loads and passes validation as it is (no workers)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("learning", repo / "examples" / "learning.py")
+    learning = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "learning", learning)  # its dataclasses look their module up
+    spec.loader.exec_module(learning)
+    shipped = {p.stem: p for p in (repo / "configs").glob("*.yaml")}
+    examples = {e.name: e for e in learning.EXAMPLES}
+    assert sorted(shipped) == sorted(examples), "every configs/*.yaml is one examples/learning.py entry"
+    for name, path in sorted(shipped.items()):
+        assert examples[name].promise.strip() and examples[name].metric, name
+        cfg = load_config(path)  # validates
+        assert cfg.model.path or cfg.model.preset, name

@@ -7,11 +7,12 @@ import ast
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from rlhf.config.schema import AlgorithmConfig, DPOConfig, RolloutConfig
+from rlhf.config.schema import AlgorithmConfig, DPOConfig, RoleConfig, RolloutConfig
 from workers.agent.options import AgentOptions
 from workers.megatron.moe_config import MoEConfig
 from workers.megatron.optim_config import OptimConfig, OptimSettings
 from workers.roles.loss_config import PPOLossConfig, PreferenceLossConfig, UpdateConfig, ValueLossConfig
+from workers.roles.options import MegatronOptions, RoleOptions
 from workers.rollout.config import EngineConfig, EngineOptions, SyncConfig, SyncOptions
 from workers.rollout.sampling import SamplingConfig
 
@@ -34,11 +35,15 @@ WORKER_CONFIGS: dict[type, tuple[type, set[str]]] = {
                                    "enable_sleep_mode", "enforce_eager", "work_dir", "extra"}),
     SyncOptions: (RolloutConfig, set()),
     AgentOptions: (RolloutConfig, set()),
+    RoleOptions: (RoleConfig, set()),
+    MegatronOptions: (RoleConfig, {"ep", "recompute", "load_weights", "pack_sequences"}),  # ep: parallel.ep
     SyncConfig: (RolloutConfig, {"direct_load", "colocated", "timeout_s", "verify_tolerance_16bit",
                                  "verify_num_seqs", "verify_seq_len"}),
 }
 # (worker class, field): a worker field that takes a schema value of the same name without being its declaration
-DERIVED = {(EngineConfig, "seed"): "the engines are seeded with rollout.seed (SamplingConfig.seed)"}
+DERIVED = {(EngineConfig, "seed"): "the engines are seeded with rollout.seed (SamplingConfig.seed)",
+           (MegatronOptions, "model_path"): "the role's model_path, else model.path (rlhf.workflow.role_group)",
+           (MegatronOptions, "optim"): "the role's optim with the schedule's length (OptimSettings)"}
 
 
 def copies(worker: type, section: type, worker_only: set[str]) -> list[str]:

@@ -4,6 +4,7 @@ init -> Megatron SFT -> GRPO -> HF export -> `rlhf generate`, rerun over an exis
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+VLLM_INFO = re.compile(r"^.*\bINFO \d\d-\d\d \d\d:\d\d:\d\d \[.*$", re.M)  # vLLM's log format
+TE_WARNING = "Transformer Engine and Apex are not installed"
 
 
 @pytest.mark.slow
@@ -35,3 +38,10 @@ def test_pipeline_runs_every_stage(tmp_path):
     # the console shows each stage and its progress bar, not the engines' start-up lines
     assert all(f"{i}/5 " in r.stdout for i in range(1, 6)) and "grpo: 100%" in r.stderr
     assert "Loading safetensors checkpoint shards" not in r.stderr
+    # library chatter (vLLM's INFO lines, megatron-core's Transformer Engine warning) stays off the console
+    # and lands in the roles' logs under the run
+    console = r.stdout + r.stderr
+    logs = "".join(p.read_text(errors="replace") for p in sorted(out.glob("*/logs/**/*.log")))
+    assert not VLLM_INFO.search(console), VLLM_INFO.search(console).group(0)
+    assert VLLM_INFO.search(logs)
+    assert TE_WARNING not in console and TE_WARNING in logs

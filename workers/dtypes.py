@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+if TYPE_CHECKING:
+    import torch
+
+# The parameter dtypes a config, a checkpoint or the converter may name (torch's names). Plain strings, so
+# the config checks name them without importing torch.
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
 _ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def as_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """The torch dtype of a name ('bfloat16' or 'bf16', ...); a torch dtype passes through."""
+    import torch
+
     if isinstance(dtype, torch.dtype):
         return dtype
     name = _ALIASES.get(dtype, dtype)
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join([*DTYPES, *_ALIASES])}")
-    return DTYPES[name]
-
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join([*DTYPE_NAMES, *_ALIASES])}")
+    return getattr(torch, name)

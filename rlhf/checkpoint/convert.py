@@ -12,12 +12,12 @@ from pathlib import Path
 
 from rlhf.errors import UserError
 from rlhf.paths import staged_output_dir
+from workers.dtypes import DTYPE_NAMES
 from workers.files import file_errors
 
 # Files of a HF model folder that are not weights (copied alongside converted weights).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _copy_non_weight_files(src: Path, dst: Path) -> list[str]:
@@ -57,8 +57,8 @@ def validate_hf(hf_dir: str | Path, tp: int, pp: int, dtype: str = "auto", ep: i
     if not folder.is_dir():
         raise UserError(f"HF model folder {folder} does not exist")
     _check_sizes(tp, pp, ep)
-    if dtype != "auto" and dtype not in _DTYPES:
-        raise UserError(f"--dtype must be auto or one of {', '.join(_DTYPES)}")
+    if dtype != "auto" and dtype not in DTYPE_NAMES:
+        raise UserError(f"--dtype must be auto or one of {', '.join(DTYPE_NAMES)}")
     cfg = _load_config(folder)
     try:
         family_of(cfg)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from workers.agent.options import AgentOptions
-from workers.megatron.moe_config import MoEConfig
 from workers.megatron.optim_config import OptimConfig
 from workers.roles.loss_config import PPOLossConfig, PreferenceLossConfig, ValueLossConfig
+from workers.roles.options import RoleOptions
 from workers.rollout.config import EngineOptions, SyncOptions
 from workers.rollout.sampling import SamplingConfig
 
@@ -38,18 +38,15 @@ class ResourceConfig:
 
 
 @dataclass
-class RoleConfig:
-    """A Megatron worker group: policy, reference, critic or reward model."""
+class RoleConfig(RoleOptions):
+    """A Megatron worker group: policy, reference, critic or reward model. What its ranks are built from
+    (`RoleOptions`: micro_batch_size, dtype, offload, moe) reaches them as it is."""
 
     enabled: bool = True
     model_path: str | None = None  # HF folder; defaults to model.path
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     resources: ResourceConfig = field(default_factory=ResourceConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    moe: MoEConfig = field(default_factory=MoEConfig)  # MoE models: router losses, token dispatcher
-    micro_batch_size: int = 8
-    dtype: str = "float32"  # float32 | bfloat16
-    offload: bool = False  # GPU only: keep parameters on CPU between uses
 
 
 @dataclass

@@ -26,14 +26,13 @@ from algorithms import (
 from rlhf.config.schema import RoleConfig, RunConfig, TrainerConfig
 from rlhf.errors import ConfigError
 from rlhf.model_config import read_config_json
+from workers.dtypes import DTYPE_NAMES
 from workers.rollout.config import EngineOptions
 from workers.rollout.sampling import SamplingConfig
 
 ALGORITHMS = ("grpo", "ppo", "sft", "pretrain", "dpo")
 DPO_REFERENCES = ("precompute",)  # algorithm.dpo.reference
-DTYPES = ("float32", "bfloat16", "float16")
 OVERLONG_PROMPTS = ("drop", "fail")  # data.overlong_prompts (rlhf.data.prompts.PromptLimit.mode)
-ROLLOUT_DTYPES = (*DTYPES, "auto")  # vLLM's "auto": the model config's torch_dtype
 
 
 @dataclass(frozen=True)
@@ -90,7 +89,7 @@ def _check_role(name: str, role: RoleConfig, shape: ModelShape | None) -> None:
     for k in ("tp", "pp", "dp", "ep"):
         _require(getattr(par, k) >= 1, f"{name}.parallel.{k}", "an integer >= 1", getattr(par, k))
     _require(role.micro_batch_size >= 1, f"{name}.micro_batch_size", "an integer >= 1", role.micro_batch_size)
-    _choice(role.dtype, f"{name}.dtype", DTYPES)
+    _choice(role.dtype, f"{name}.dtype", DTYPE_NAMES)
     o = role.optim
     _require(o.lr >= 0, f"{name}.optim.lr", "a learning rate >= 0", o.lr)
     _require(0 <= o.min_lr <= max(o.lr, 0), f"{name}.optim.min_lr", f"a value in [0, lr={o.lr}]", o.min_lr)
@@ -153,13 +152,9 @@ def _check_experts(name: str, role: RoleConfig, shape: ModelShape) -> None:
         raise ConfigError(f"{name}.moe.{err}")
 
 
-def _check_rollout_engine(cfg: RunConfig, shape: ModelShape) -> None:
-    """The vLLM engine's settings (its own checks run only once Ray and the engine actor are up)."""
+def _check_rollout_heads(cfg: RunConfig, shape: ModelShape) -> None:
+    """The engine's tensor parallelism fits the model (its own settings are checked by `validate_engine`)."""
     r = cfg.rollout
-    _choice(r.dtype, "rollout.dtype", ROLLOUT_DTYPES)
-    _require(r.tp >= 1, "rollout.tp", "an integer >= 1", r.tp)
-    _require(r.max_num_seqs >= 1, "rollout.max_num_seqs", "an integer >= 1 (sequences per engine step)",
-             r.max_num_seqs)
     if shape.num_heads % r.tp:
         raise ConfigError(f"rollout.tp={r.tp} does not divide the {shape.num_heads} attention heads of {shape.source}")
 
@@ -237,7 +232,7 @@ def validate_config(cfg: RunConfig) -> None:
              f"fewer than the model's max_position_embeddings ({shape.max_positions}), leaving room for the prompt",
              r.max_tokens)
     _choice(d.overlong_prompts, "data.overlong_prompts", OVERLONG_PROMPTS)
-    _check_rollout_engine(cfg, shape)
+    _check_rollout_heads(cfg, shape)
     _require(r.sync_bucket_mb > 0, "rollout.sync_bucket_mb", "a size in MB > 0", r.sync_bucket_mb)
     if r.sync_transport is not None:
         from workers.rollout.registry import TRANSPORTS

@@ -34,6 +34,8 @@ from rlhf.driver.lm_data import SampleOrder, _field, tokenizer_path
 from rlhf.driver.scaffold import RunScaffold
 from rlhf.errors import UserError
 from workers.batch import Batch
+from workers.config import build
+from workers.roles.loss_config import PreferenceLossConfig
 
 REF_FILE = "reference_logps.safetensors"
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "logps/chosen",
@@ -137,8 +139,10 @@ def reference_key(cfg: RunConfig) -> str:
 
 
 def reference_logps(cfg: RunConfig, data: PairData, group: Any, out: Path) -> dict[str, torch.Tensor]:
-    """The reference log-probs of every pair: read from the run dir, else computed by `group` (the starting
-    policy) and saved there."""
+    """The reference log-probs of every pair (`algorithm.dpo.reference: precompute`): read from the run dir,
+    else computed by `group` (the starting policy) and saved there."""
+    if cfg.algorithm.dpo.reference != "precompute":  # the only source today (validate.DPO_REFERENCES)
+        raise UserError(f"algorithm.dpo.reference={cfg.algorithm.dpo.reference!r}: only precompute is implemented")
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -173,9 +177,8 @@ class DPORun(LMRun):
 
     data: PairData  # type: ignore[assignment]
 
-    def _loss_config(self) -> dict[str, Any]:
-        o = self.cfg.algorithm.dpo
-        return {"loss": o.loss, "beta": o.beta, "label_smoothing": o.label_smoothing, "simpo_gamma": o.simpo_gamma}
+    def _loss_config(self) -> PreferenceLossConfig:
+        return build(PreferenceLossConfig, self.cfg.algorithm.dpo)
 
     def validate(self) -> dict[str, float]:
         if self.cfg.trainer.eval_iters == 0:

@@ -154,7 +154,7 @@ def test_generate_agent_on_the_engine(engine):
 
     out = group.engines[0].generate_agent(Batch(meta={"messages": [[{"role": "user", "content": "hi"}]] * 2}),
                                           {"n": 2, "max_tokens": 8, "temperature": 1.0},
-                                          tools=["calculator"], max_turns=2, max_total_tokens=32)
+                                          {"tools": ["calculator"], "max_turns": 2, "max_total_tokens": 32})
     assert out["responses"].shape[0] == 4 and out["response_mask"].sum() > 0
     assert {"agent/turns_mean", "agent/tool_calls", "agent/truncated"} <= set(out.info)
 

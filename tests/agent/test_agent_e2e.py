@@ -9,14 +9,17 @@ import subprocess
 import sys
 
 
+def _train_args(*args: str) -> list[str]:
+    return ["train", "configs/grpo_tiny.yaml", "model.warm_start_steps=5",
+            "data.val_size=8", "data.prompts_per_step=4", "rollout.n=4", "policy.micro_batch_size=8",
+            "trainer.progress_bar=false", "rollout.tools=[calculator,python]", "rollout.max_turns=2",
+            "rollout.env=workers.agent.env:GuessNumber",
+            "rollout.max_total_tokens=48", "trainer.save_every=2", *args]
+
+
 def _train(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "rlhf", "train", "configs/grpo_tiny.yaml", "model.warm_start_steps=5",
-           "data.val_size=8", "data.prompts_per_step=4", "rollout.n=4", "policy.micro_batch_size=8",
-           "trainer.progress_bar=false", "rollout.tools=[calculator,python]", "rollout.max_turns=2",
-           "rollout.env=workers.agent.env:GuessNumber",
-           "rollout.max_total_tokens=48", "trainer.save_every=2", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                          env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1"))
+    return subprocess.run([sys.executable, "-m", "rlhf", *_train_args(*args)], capture_output=True, text=True,
+                          timeout=900, env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1"))
 
 
 def test_grpo_with_tools_and_an_environment_two_steps_and_resume(tmp_path):
@@ -37,7 +40,10 @@ def test_grpo_with_tools_and_an_environment_two_steps_and_resume(tmp_path):
         assert "policy_loss" in row and "grad_norm" in row
 
 
-def test_unknown_tool_fails_before_workers(tmp_path):
-    r = _train("trainer.total_steps=1", f"trainer.output_dir={tmp_path / 'x'}", "rollout.tools=[shell]")
-    assert r.returncode == 2 and "rollout.tools" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+def test_unknown_tool_fails_before_workers(tmp_path, capsys):
+    from rlhf.cli import main  # in this process: it fails before any worker starts
+
+    code = main(_train_args("trainer.total_steps=1", f"trainer.output_dir={tmp_path / 'x'}", "rollout.tools=[shell]"))
+    err = capsys.readouterr().err
+    assert code == 2 and "rollout.tools" in err and len(err.strip().splitlines()) == 1, err[-2000:]
     assert not (tmp_path / "x" / "logs").exists()

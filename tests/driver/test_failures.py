@@ -1,4 +1,5 @@
-"""A worker killed mid-run stops the driver with the role named, and --resume continues from the last checkpoint.
+"""A worker killed mid-run stops the driver with the role named, and --resume continues from the last checkpoint;
+a rollout engine killed in the resumed run is reported the same way.
 
 The test waits for events (a checkpoint written, the error line, the exit), never for a fixed time budget,
 so it passes on a slow machine: each wait's bound only catches a hang (many times the expected duration;
@@ -9,6 +10,7 @@ stop (`trainer.timeout_s`, 300 s by default) would not print.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -16,10 +18,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from test_rl_e2e import FAST
 
@@ -51,18 +54,30 @@ def wait_for(what: str, check: Callable[[], Any], proc: subprocess.Popen, err_fi
     return value
 
 
+@contextlib.contextmanager
+def started(cmd: list[str], out_file: Path, err_file: Path, env: dict[str, str]) -> Iterator[subprocess.Popen]:
+    """`cmd` running with its output in files (not pipes: a full pipe would block the run), killed on the way
+    out if it is still running."""
+    with out_file.open("w") as out, err_file.open("w") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=60)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3 * HANG_S)
-def test_killed_worker_is_reported_and_run_resumes(tmp_path):
+def test_killed_worker_is_reported_and_run_resumes_then_a_killed_engine_too(tmp_path):
     run = tmp_path / "run"
     args = [sys.executable, "-m", "rlhf", "train", "configs/grpo_tiny.yaml", *FAST, "trainer.val_every=0",
             "data.val_size=4", "trainer.export_hf=false", "trainer.save_every=2", "trainer.total_steps=1000",
             f"trainer.output_dir={run}"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     out_file, err_file = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
-    with out_file.open("w") as out, err_file.open("w") as err:  # files, not pipes: a full pipe would block the run
-        proc = subprocess.Popen(args, stdout=out, stderr=err, text=True, env=env)
-    try:
+    with started(args, out_file, err_file, env) as proc:
         wait_for("the first checkpoint (step 2)", lambda: _latest_checkpoint(run) >= 2, proc, err_file)
         log = run / "logs" / "policy" / "dp0-tp0-pp0.log"
         pid = int(wait_for(f"the policy rank's pid in {log}",
@@ -73,10 +88,6 @@ def test_killed_worker_is_reported_and_run_resumes(tmp_path):
                          exit_ok=True)
         wait_for("the driver to exit after reporting the dead worker", lambda: proc.poll() is not None, proc,
                  err_file, exit_ok=True)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=60)
     assert proc.returncode == 2, err_file.read_text()[-3000:]
     line = error.group(0)
     assert "role 'policy' rank 0" in line and f"pid {pid}" in line and "the actor died" in line, line
@@ -84,9 +95,40 @@ def test_killed_worker_is_reported_and_run_resumes(tmp_path):
     last_ckpt = _latest_checkpoint(run)
     assert last_ckpt >= 2 and not list((run / "checkpoints").glob("tmp-*/driver_state.json"))
 
-    resumed = subprocess.run(args[:-2] + ["trainer.total_steps=" + str(last_ckpt + 2), f"trainer.output_dir={run}",
-                                          "--resume"], capture_output=True, text=True, env=env, timeout=HANG_S)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"step-{last_ckpt:06d} at step {last_ckpt}" in resumed.stdout  # only the steps since it are redone
-    assert _steps(run)[-2:] == [last_ckpt + 1, last_ckpt + 2]
-    assert _steps(run) == sorted(set(_steps(run)))  # the rows logged after the checkpoint were dropped
+    before = max(_steps(run))  # the last step the killed run logged
+
+    # --resume continues from the last checkpoint. The resumed run is then the run whose rollout engine is
+    # killed: reported like a dead worker (role 'rollout', its rank, node and pid), exit code 2.
+    out_file, err_file = tmp_path / "resumed_stdout.txt", tmp_path / "resumed_stderr.txt"
+    with started([*args, "--resume"], out_file, err_file, env) as proc:
+        # a step the killed run never reached: logged by the resumed run, after it dropped the rows since the checkpoint
+        wait_for(f"the resumed run to log step {max(before, last_ckpt + 1) + 1}",
+                 lambda: max(_steps(run), default=0) > max(before, last_ckpt + 1), proc, err_file)
+        assert f"step-{last_ckpt:06d} at step {last_ckpt}" in out_file.read_text()  # only the steps since it are redone
+        steps = _steps(run)
+        assert steps == sorted(set(steps)) and set(range(1, last_ckpt + 2)) <= set(steps), steps  # each step once
+        pids = _engine_pids(proc.pid)
+        assert len(pids) == 1, pids
+        os.kill(pids[0], signal.SIGKILL)
+        wait_for("the driver to exit after the rollout engine was killed", lambda: proc.poll() is not None, proc,
+                 err_file, exit_ok=True)
+    err = err_file.read_text()
+    assert proc.returncode == 2, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("rlhf train: error:")]
+    assert len(lines) == 1, err[-3000:]
+    line = lines[0]
+    assert re.search(r"role 'rollout' rank 0 \(rollout/0\) on node \S+ \(\w+\), pid " + str(pids[0]), line), line
+    assert "name: rollout/0" in err  # Ray's own report of the dead actor: it had the rollout's actor name
+    assert "Traceback" not in err[err.index(line):], err[-3000:]
+
+
+def _engine_pids(driver_pid: int) -> list[int]:
+    """The rollout engine actors among the driver's descendants (its embedded Ray), by process title."""
+    out = []
+    for p in psutil.Process(driver_pid).children(recursive=True):
+        try:
+            if " ".join(p.cmdline()).startswith("ray::RolloutWorker"):
+                out.append(p.pid)
+        except psutil.Error:
+            pass
+    return out

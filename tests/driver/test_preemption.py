@@ -1,6 +1,7 @@
 """SIGTERM / SIGINT stop a running `rlhf train` at the next step boundary with a checkpoint, one line and exit
-143 / 130, and --resume continues from that checkpoint. Without this, Ray's own SIGTERM handler ends the
-driver mid-step (exit 15, no checkpoint of the steps since the last periodic one).
+143 / 130, and --resume continues from that checkpoint, logging the same steps as a run that was never
+stopped. Without this, Ray's own SIGTERM handler ends the driver mid-step (exit 15, no checkpoint of the
+steps since the last periodic one).
 
 Waits are on events (a step logged, the exit), each bounded only to catch a hang (see test_failures)."""
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from test_failures import HANG_S, _latest_checkpoint, _steps, wait_for
-from test_rl_e2e import FAST
+from test_rl_e2e import FAST, metrics
 
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
 
@@ -61,6 +62,18 @@ def test_sigterm_checkpoints_at_a_step_boundary_and_resumes(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"at step {step}" in resumed.stdout
     assert _steps(run) == sorted(set(_steps(run))) and _steps(run)[-1] == step + 1
+
+    # Resuming is deterministic: stopped at `step` and resumed, the run logs the same steps as one that ran
+    # straight through (the loader, KL controller and RNG come back from the checkpoint).
+    full = tmp_path / "full"
+    r = subprocess.run([*args[:-2], f"trainer.total_steps={step + 1}", f"trainer.output_dir={full}"],
+                       capture_output=True, text=True, env=ENV, timeout=HANG_S)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = ({row["step"]: row for row in metrics(d) if row["step"] > 0} for d in (full, run))
+    assert sorted(a) == sorted(b) == list(range(1, step + 2))
+    for i in a:
+        for key in ("reward_mean", "policy_loss", "grad_norm", "response_length_mean"):
+            assert a[i][key] == pytest.approx(b[i][key], rel=1e-4, abs=1e-5), (i, key)
 
 
 @pytest.mark.timeout(3 * HANG_S)

@@ -1,6 +1,7 @@
-"""On the real stack: a misbehaving `module:function` reward (raises, returns a string or NaN, hangs) is scored
-by the fallback and counted in metrics.jsonl instead of crashing or hanging the run, and a run whose every
-policy update is skipped (NaN advantages) stops with policy.optim.max_consecutive_nonfinite instead of exit 0."""
+"""On the real stack: a `module:function` reward from the config (a module of the user's on PYTHONPATH) scores
+the samples; when it misbehaves (raises, returns a string or NaN, hangs) the sample is scored by the fallback
+and counted in metrics.jsonl instead of crashing or hanging the run, and a run whose every policy update is
+skipped (NaN advantages) stops with policy.optim.max_consecutive_nonfinite instead of exit 0."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def nan_step(roles, ctx):
     batch = roles.policy.logprobs(batch, key="old_logprobs")
     batch["advantages"] = torch.full_like(batch["old_logprobs"], float("nan"))
     batch["returns"] = batch["advantages"]
-    return roles.policy.train(batch, loss_config(ctx.cfg))
+    return {**roles.policy.train(batch, loss_config(ctx.cfg)), "reward_mean": float(batch["scores"].mean())}
 
 
 if __name__ == "__main__":
@@ -74,6 +75,7 @@ def test_flaky_reward_is_counted_and_skipped_updates_stop_the_run(tmp_path):
     counted = [(row["reward/errors"], row["reward/timeouts"]) for row in rows.values()]
     assert sum(e for e, _ in counted) >= 3 and sum(t for _, t in counted) >= 1, counted
     assert rows[1]["skipped_steps"] == rows[1]["num_steps"] >= 1
+    assert rows[2]["reward_mean"] == 1.0  # past its first four calls the user's function scores every sample
     warnings = [x for x in r.stderr.splitlines() if x.startswith("warning: ")]
     assert warnings and all("reward.fn flaky_reward:flaky" in x and "on sample" in x for x in warnings), warnings
     assert "flaky_reward:flaky took longer than reward.timeout_s=2 on sample 0" in warnings[0], warnings

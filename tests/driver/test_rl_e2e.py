@@ -97,22 +97,14 @@ def test_ppo_two_steps(tmp_path):
     assert sorted(exported) == sorted(final) and all(exported[k].equal(final[k]) for k in final)
 
 
-def test_resume_is_deterministic(tmp_path):
-    common = [*FAST, "trainer.save_every=2", "trainer.export_hf=false", "trainer.val_every=0", "data.val_size=4"]
-    full, split = tmp_path / "full", tmp_path / "split"
-    r = rlhf("train", "configs/grpo_tiny.yaml", *common, "trainer.total_steps=4", f"trainer.output_dir={full}")
-    assert r.returncode == 0, r.stderr[-5000:]
-    r = rlhf("train", "configs/grpo_tiny.yaml", *common, "trainer.total_steps=2", f"trainer.output_dir={split}")
-    assert r.returncode == 0, r.stderr[-5000:]
-    r = rlhf("train", "configs/grpo_tiny.yaml", *common, "trainer.total_steps=4", f"trainer.output_dir={split}",
-             "--resume")
-    assert r.returncode == 0, r.stderr[-5000:]
-    a = {row["step"]: row for row in metrics(full) if row["step"] > 0}
-    b = {row["step"]: row for row in metrics(split) if row["step"] > 0}
-    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
-    for step in a:
-        for key in ("reward_mean", "policy_loss", "grad_norm", "response_length_mean"):
-            assert a[step][key] == pytest.approx(b[step][key], rel=1e-4, abs=1e-5), (step, key)
+def cli(capsys, *args: str) -> tuple[int, str]:
+    """`rlhf ARGS` in this process (the CLI's own main: its exit code and error line, no interpreter start-up;
+    an unexpected exception fails the test with its traceback): for bad input that must fail before workers."""
+    from rlhf.cli import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    return code, capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -123,22 +115,22 @@ def test_resume_is_deterministic(tmp_path):
         (["data.task=null", "data.train_file=/nonexistent/prompts.jsonl"], ["/nonexistent/prompts.jsonl"]),
         (["trainer.eval_every=1", "trainer.eval_tasks=[nope]"], ["unknown task 'nope'", "humaneval"]),
         (["trainer.eval_every=1"], ["trainer.eval_tasks"]),
-        (["rollout.max_num_seqs=0"], ["rollout.max_num_seqs", ">= 1"]),  # vLLM's own check runs in the actor
+        (["rollout.max_num_seqs=0"], ["rollout.max_num_seqs", ">= 1"]),  # the engine's own check, before it starts
     ],
 )
-def test_bad_input_fails_before_workers(tmp_path, overrides, words):
-    r = rlhf("train", "configs/grpo_tiny.yaml", *overrides, f"trainer.output_dir={tmp_path / 'x'}")
-    assert r.returncode == 2, r.stderr
+def test_bad_input_fails_before_workers(tmp_path, capsys, overrides, words):
+    code, err = cli(capsys, "train", "configs/grpo_tiny.yaml", *overrides, f"trainer.output_dir={tmp_path / 'x'}")
+    assert code == 2, err
     assert not (tmp_path / "x" / "logs").exists()  # no worker was started
-    assert "Traceback" not in r.stderr
+    assert len(err.strip().splitlines()) == 1 and err.startswith("rlhf train: error: "), err  # one line
     for w in words:
-        assert w in r.stderr
+        assert w in err
 
 
-def test_invalid_jsonl_line_named(tmp_path):
+def test_invalid_jsonl_line_named(tmp_path, capsys):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "What is 1+1?", "answer": "2"}\n{not json\n')
-    r = rlhf("train", "configs/grpo_tiny.yaml", "data.task=null", f"data.train_file={f}",
-             f"trainer.output_dir={tmp_path / 'x'}")
-    assert r.returncode == 2 and f"{f}:2" in r.stderr.replace(" line ", ":"), r.stderr
+    code, err = cli(capsys, "train", "configs/grpo_tiny.yaml", "data.task=null", f"data.train_file={f}",
+                    f"trainer.output_dir={tmp_path / 'x'}")
+    assert code == 2 and f"{f}:2" in err.replace(" line ", ":"), err
     assert not (tmp_path / "x" / "logs").exists()

@@ -38,3 +38,16 @@ def first_lines(text: str, n: int) -> str:
     text = re.sub(r"\x1b\[[0-9;]*m", "", text)
     lines = [ln for ln in text.strip().splitlines() if ln.strip().strip("^~")]
     return "\n".join(lines[:n]) + (f"\n... ({len(lines) - n} more lines)" if len(lines) > n else "")
+
+
+def refuse_taken_names(names: list[str], error: type[Exception], what: str = "group") -> None:
+    """Raise `error` naming the first of `names` already held by a live Ray actor (a group or rollout group
+    of that name is still up in this Ray session)."""
+    import ray
+
+    for name in names:
+        try:
+            ray.get_actor(name)
+        except ValueError:
+            continue
+        raise error(f"an actor named {name!r} already exists; shut that {what} down or pass name=")

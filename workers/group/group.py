@@ -37,6 +37,7 @@ from workers.group.errors import (
     WorkerTimeoutError,
     describe_rank,
     first_lines,
+    refuse_taken_names,
 )
 from workers.group.pool import ResourcePool
 from workers.group.wait import Failure, is_death, settle, wait_all
@@ -160,12 +161,7 @@ class WorkerGroup:
     def _spawn(self, init_kwargs: dict, collective_timeout_s: float, seed: int, num_threads: int | None,
                env_vars: dict[str, str] | None, backend: str | None, niceness: int | None) -> None:
         remote_cls = ray.remote(self.worker_cls)
-        for name in self.names:
-            try:
-                ray.get_actor(name)
-            except ValueError:
-                continue
-            raise WorkerGroupError(f"an actor named {name!r} already exists; shut that group down or pass name=")
+        refuse_taken_names(self.names, WorkerGroupError)
         for rank, name in enumerate(self.names):
             ctx = WorkerContext(
                 role=self.role, name=name, rank=rank, world_size=self.world_size, tp=self.tp, pp=self.pp,

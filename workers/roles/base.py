@@ -1,13 +1,7 @@
 """`MegatronWorker`: a group rank whose world is megatron-core parallel state and whose model is a
 `MegatronEngine`. Shared by the policy, reference, critic and reward-model roles.
 
-init_kwargs (from `WorkerGroup(init_kwargs=...)`): `model_path` (HF folder), `dtype` ("float32" |
-"bfloat16"), `micro_batch_size`, `optim` (dict of `OptimSettings` fields), `ep` (expert-parallel size, MoE
-models), `moe` (`MoEConfig` or a dict of its fields), `recompute`, `load_weights`,
-`offload` (frozen roles on GPU), `pack_sequences` (RL batches. "prefix", the default where the model's
-RoPE takes explicit positions: the samples of one prompt share one copy of it in a row; True (the default
-otherwise): whole sequences packed into rows with block-diagonal attention; False: padded rows. See
-workers/roles/micro.py).
+init_kwargs (from `WorkerGroup(init_kwargs=...)`): the fields of `MegatronOptions` (workers/roles/options.py).
 """
 
 from __future__ import annotations
@@ -19,10 +13,12 @@ from typing import Any
 
 import torch
 
+from workers.config import build
 from workers.dispatch import ONE_TO_ALL, register
 from workers.group.worker import Worker
 from workers.megatron.cpu_compat import cpu_device_mode
 from workers.megatron.engine import MegatronEngine
+from workers.roles.options import MegatronOptions
 
 
 class MegatronWorker(Worker):
@@ -38,6 +34,7 @@ class MegatronWorker(Worker):
         warnings.filterwarnings("ignore", message=".*(Transformer Engine and Apex|Apex is not installed|"
                                 "full scope is deprecated|CUDA_DEVICE_MAX_CONNECTIONS).*")
         super().__init__(ctx, **init_kwargs)
+        self.options = build(MegatronOptions, init_kwargs)  # an unknown key fails here, naming the known ones
 
     def init_distributed(self, master_addr: str, master_port: int) -> None:
         from megatron.core import parallel_state as ps
@@ -46,7 +43,7 @@ class MegatronWorker(Worker):
 
         c = self.ctx
         init_distributed(c.rank, c.world_size, master_addr, master_port, tp=c.tp, pp=c.pp, backend=c.backend,
-                         timeout_s=c.timeout_s, seed=c.seed, ep=int(self.init_kwargs.get("ep", 1)))
+                         timeout_s=c.timeout_s, seed=c.seed, ep=self.options.ep)
         self.dp_rank = ps.get_data_parallel_rank()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
@@ -66,20 +63,16 @@ class MegatronWorker(Worker):
         return cpu_device_mode()
 
     def setup(self) -> None:
-        kw = self.init_kwargs
-        self.micro_batch_size = int(kw.get("micro_batch_size", 8))
-        self.offload_between_calls = bool(kw.get("offload", False))
-        self.engine = MegatronEngine(
-            kw["model_path"],
-            dtype=kw.get("dtype", "float32"),
-            value_head=self.value_head,
-            trainable=self.trainable,
-            optim=kw.get("optim"),
-            moe=kw.get("moe"),
-            load_weights=kw.get("load_weights", True),
-            recompute=kw.get("recompute", False),
-        )
-        pack = kw.get("pack_sequences", "prefix" if self.engine.supports_explicit_positions else True)
+        o = self.options
+        if not o.model_path:
+            raise ValueError(f"{self.ctx.name}: init_kwargs need model_path (the HF folder the role loads)")
+        self.micro_batch_size = int(o.micro_batch_size)
+        self.offload_between_calls = bool(o.offload)
+        self.engine = MegatronEngine(o.model_path, dtype=o.dtype, value_head=self.value_head, trainable=self.trainable,
+                                     optim=o.optim, moe=o.moe, load_weights=o.load_weights, recompute=o.recompute)
+        pack = o.pack_sequences
+        if pack is None:
+            pack = "prefix" if self.engine.supports_explicit_positions else True
         if pack == "prefix" and not self.engine.supports_explicit_positions:
             raise ValueError("pack_sequences='prefix' needs RoPE at explicit positions, which this model's "
                              "(fused) RoPE does not take; use pack_sequences=True")

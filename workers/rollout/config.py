@@ -8,8 +8,10 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
+from workers.dtypes import DTYPE_NAMES
+
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
-DTYPES = ("float32", "bfloat16", "float16", "auto")
+DTYPES = (*DTYPE_NAMES, "auto")  # vLLM's "auto": the model config's torch_dtype
 
 
 @dataclass(kw_only=True)

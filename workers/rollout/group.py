@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from workers.agent.options import AgentOptions
 from workers.batch import Batch
 from workers.group.errors import (
     WorkerDiedError,
@@ -18,13 +19,14 @@ from workers.group.errors import (
     WorkerTimeoutError,
     describe_rank,
     first_lines,
+    refuse_taken_names,
 )
 from workers.group.wait import Failure, is_death, wait_all
 from workers.group.worker import tail_file
 from workers.rollout.config import EngineConfig
 from workers.rollout.prompts import as_batch
-from workers.rollout.sampling import SamplingConfig
-from workers.rollout.worker import RolloutWorker, _sampling
+from workers.rollout.sampling import SamplingConfig, as_sampling
+from workers.rollout.worker import RolloutWorker
 
 ROLE = "rollout"
 
@@ -70,7 +72,7 @@ class RolloutGroup:
             if in_process:
                 self.engines = [RolloutWorker(self.cfg, 0, name=self.names[0])]
             else:
-                self._check_names_free()
+                refuse_taken_names(self.names, RolloutError, "rollout group")
                 self.log_paths = [str(Path(log_dir) / self.name / f"{i}.log") if log_dir else None
                                   for i in range(num_engines)]
                 self.engines = [RolloutWorker.start(self.cfg, i, self.log_paths[i],
@@ -82,16 +84,6 @@ class RolloutGroup:
             raise
         self.dtype: str = self.infos[0]["dtype"]
         self.vocab_size: int = int(self.infos[0]["vocab_size"])
-
-    def _check_names_free(self) -> None:
-        import ray
-
-        for name in self.names:
-            try:
-                ray.get_actor(name)
-            except ValueError:
-                continue
-            raise RolloutError(f"an actor named {name!r} already exists; shut that rollout group down or pass name=")
 
     @property
     def num_engines(self) -> int:
@@ -147,14 +139,12 @@ class RolloutGroup:
 
     # ---- rollout -----------------------------------------------------------------------------
     def generate(self, prompts: Batch | Sequence[Any], sampling: SamplingConfig | dict | None = None,
-                 agent: dict[str, Any] | None = None) -> Batch:
-        """See `RolloutWorker.generate` (with `agent`, the keyword arguments of `generate_agent`: multi-turn
-        tool use); prompts are split across engines, `group_id` stays global."""
-        sp = _sampling(sampling)
+                 agent: AgentOptions | dict[str, Any] | None = None) -> Batch:
+        """See `RolloutWorker.generate` (with `agent`, `RolloutWorker.generate_agent`: multi-turn tool use);
+        prompts are split across engines, `group_id` stays global."""
+        sp = as_sampling(sampling)
         batch = as_batch(prompts)
-        method, extra = ("generate_agent", (agent["tools"], agent["max_turns"], agent["max_total_tokens"],
-                                            agent["tool_timeout_s"], agent.get("env"),
-                                            agent.get("env_reward", "sum"))) if agent else ("generate", ())
+        method, extra = ("generate_agent", (agent,)) if agent else ("generate", ())
         if self.num_engines == 1:
             return self._wait([self._submit(0, method, batch, sp, *extra)], [0], method)[0]
         n = len(batch)

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from workers.config import build
+
 
 @dataclass
 class SamplingConfig:
@@ -78,3 +80,8 @@ class SamplingConfig:
             detokenize=bool(self.stop),
             skip_special_tokens=True,
         )
+
+
+def as_sampling(sampling: SamplingConfig | dict[str, Any] | None) -> SamplingConfig:
+    """A validated SamplingConfig from a SamplingConfig, a dict of its fields or None (the defaults)."""
+    return build(SamplingConfig, sampling).validate()

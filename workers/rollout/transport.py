@@ -15,10 +15,13 @@ The transports (registry.py chooses one): "gloo", "nccl", "cuda_ipc" (weight_syn
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from workers.group.errors import WorkerGroupError, WorkerTimeoutError
 from workers.rollout.control import Channel, GroupFactory
+
+if TYPE_CHECKING:
+    from workers.rollout.config import SyncConfig
 
 
 class WeightSyncError(WorkerGroupError):
@@ -92,7 +95,7 @@ class Transport:
         return inst
 
     # ---- driver side ---------------------------------------------------------------------------
-    def check(self, cfg: Any) -> None:
+    def check(self, cfg: SyncConfig) -> None:
         """Reject a `SyncConfig` this transport cannot serve."""
         if cfg.zero_copy_weights and not self.supports_zero_copy:
             raise ValueError(f"zero-copy weights (rollout.zero_copy_weights) need the 'shm' transport (CPU, the "

@@ -10,13 +10,14 @@ from typing import Any
 
 import torch
 
+from workers.agent.options import AgentOptions
 from workers.batch import Batch
 from workers.config import build
 from workers.rollout.config import EngineConfig, cuda_available, llm_kwargs, prepare_env
 from workers.rollout.control import SyncEndpoint
 from workers.rollout.cpu import engine_ops
 from workers.rollout.prompts import as_batch, build_output, normalise
-from workers.rollout.sampling import SamplingConfig
+from workers.rollout.sampling import SamplingConfig, as_sampling
 from workers.rollout.transport import SyncSession, receive_on_vllm_worker
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ class RolloutWorker:
         (sampled-token logprobs, 0 on padding); meta `prompt` (text), `response_text`, `finish_reason`,
         `group_id` (index of the source prompt); info `rollout/*` timings.
         """
-        sp = _sampling(sampling)
+        sp = as_sampling(sampling)
         self._check_awake()
         t0 = time.perf_counter()
         p = normalise(prompts, self.tokenizer)
@@ -121,19 +122,18 @@ class RolloutWorker:
         return out
 
     def generate_agent(self, prompts: Batch | Sequence[Any], sampling: SamplingConfig | dict | None = None,
-                       tools: Sequence[str] = (), max_turns: int = 4, max_total_tokens: int = 256,
-                       tool_timeout_s: float = 10.0, env: str | None = None, env_reward: str = "sum") -> Batch:
-        """Multi-turn rollouts with tool calls and/or an environment (workers/agent/): the same Batch as
-        `generate`, with `response_mask` 0 on tool outputs, observations and template glue, plus info `agent/*`
-        metrics and, with an environment, meta `env_reward` (the trajectory's aggregated reward). Prompts must
-        be chat messages (meta `messages`, or `prompt` as message lists); `sampling.max_tokens` caps each turn."""
+                       agent: AgentOptions | dict[str, Any] | None = None) -> Batch:
+        """Multi-turn rollouts with tool calls and/or an environment (workers/agent/, settings `agent`): the same
+        Batch as `generate`, with `response_mask` 0 on tool outputs, observations and template glue, plus info
+        `agent/*` metrics and, with an environment, meta `env_reward` (the trajectory's aggregated reward).
+        Prompts must be chat messages (meta `messages`, or `prompt` as message lists); `sampling.max_tokens`
+        caps each turn."""
         from workers.agent.env import AGGREGATIONS, load_env
         from workers.agent.loop import Agent, run_agent
-        from workers.agent.options import AgentOptions
         from workers.agent.toolcalls import CLOSE
         from workers.agent.tools import load_tools
 
-        sp = _sampling(sampling)
+        sp = as_sampling(sampling)
         self._check_awake()
         batch = as_batch(prompts)
         chats = batch.meta.get("messages") or batch.meta.get("prompt") or []
@@ -146,8 +146,8 @@ class RolloutWorker:
         def params(i: int, max_tokens: int) -> Any:
             return one.with_(max_tokens=max_tokens).to_vllm(seed=None if sp.seed is None else sp.seed + i)
 
-        opts = AgentOptions(list(tools), max_turns, max_total_tokens, tool_timeout_s, env, env_reward)
-        cfg = Agent(opts, load_tools(opts.tools), load_env(env) if env else None)
+        opts = build(AgentOptions, agent)
+        cfg = Agent(opts, load_tools(opts.tools), load_env(opts.env) if opts.env else None)
         gts = batch.meta.get("ground_truth") or [None] * len(batch)
         t0 = time.perf_counter()
         trajs, metrics = run_agent(self.llm, self.tokenizer, [chats[i // sp.n] for i in range(rows)],
@@ -155,8 +155,8 @@ class RolloutWorker:
                                    [gts[i // sp.n] for i in range(rows)])
         comps = [trajs[i * sp.n:(i + 1) * sp.n] for i in range(len(p.ids))]
         out = build_output(p, comps, sp.n, self.pad_id, tokenizer=None)
-        if env:
-            out.meta["env_reward"] = [AGGREGATIONS[env_reward](t.rewards) for t in trajs]
+        if opts.env:
+            out.meta["env_reward"] = [AGGREGATIONS[opts.env_reward](t.rewards) for t in trajs]
         out.info.update({**metrics, "rollout/total_s": time.perf_counter() - t0,
                          "rollout/response_tokens": int(out.tensors["response_mask"].sum())})
         return out
@@ -282,10 +282,6 @@ def _where() -> dict[str, Any]:
     if ray.is_initialized():
         out.update(node_ip=ray.util.get_node_ip_address(), node_id=ray.get_runtime_context().get_node_id())
     return out
-
-
-def _sampling(sampling: SamplingConfig | dict | None) -> SamplingConfig:
-    return build(SamplingConfig, sampling).validate()
 
 
 def _quiet_vllm_after_start() -> None:

@@ -33,6 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rlhf.errors import UserError
+    from rlhf.paths import check_writable, staged_output_file
 
     if args.compare:
         return _compare(args.compare, Path(args.output).with_name("eval_compare.png"))
@@ -43,13 +44,22 @@ def run(args: argparse.Namespace) -> int:
     from rlhf.eval.tasks import load_task
 
     tasks = [load_task(t.strip(), args.limit, args.num_fewshot, args.seed) for t in args.tasks.split(",") if t.strip()]
-    results = _evaluate(args, tasks)
     out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": args.model, "tasks": results}, indent=2, default=str))
+    _make_folder(out.parent)
+    check_writable(out)  # a read-only or missing folder fails now, not after the evaluation
+    results = _evaluate(args, tasks)
+    with staged_output_file(out) as tmp:  # complete or absent: never a half-written results file
+        tmp.write_text(json.dumps({"model": args.model, "tasks": results}, indent=2, default=str))
     print(markdown_table({args.model: results}))
     print(f"results in {out}")
     return 0
+
+
+def _make_folder(folder: Path) -> None:
+    from workers.files import file_errors
+
+    with file_errors(folder, "create the folder"):
+        folder.mkdir(parents=True, exist_ok=True)
 
 
 def _evaluate(args: argparse.Namespace, tasks: list) -> dict[str, Any]:
@@ -92,6 +102,7 @@ def markdown_table(runs: dict[str, dict[str, Any]]) -> str:
 
 def _compare(paths: list[str], figure: Path) -> int:
     from rlhf.errors import UserError
+    from rlhf.paths import check_writable
 
     runs: dict[str, dict[str, Any]] = {}
     for p in paths:
@@ -100,6 +111,7 @@ def _compare(paths: list[str], figure: Path) -> int:
             runs[str(p)] = json.loads(path.read_text())["tasks"]
         except (OSError, ValueError, KeyError) as e:
             raise UserError(f"--compare: {path} is not an `rlhf eval` results file ({e})") from None
+    check_writable(figure)
     print(markdown_table(runs))
     _bar_chart(runs, figure)
     print(f"chart in {figure}")
@@ -108,6 +120,8 @@ def _compare(paths: list[str], figure: Path) -> int:
 
 def _bar_chart(runs: dict[str, dict[str, Any]], figure: Path) -> None:
     import matplotlib
+
+    from rlhf.paths import staged_output_file
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -122,5 +136,8 @@ def _bar_chart(runs: dict[str, dict[str, Any]], figure: Path) -> None:
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(tasks))], tasks)
     ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(figure)
-    plt.close(fig)
+    try:
+        with staged_output_file(figure) as tmp:
+            fig.savefig(tmp, format="png")
+    finally:
+        plt.close(fig)

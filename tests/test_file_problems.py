@@ -139,11 +139,13 @@ def prompts(tmp_path) -> Path:
 
 
 def test_read_only_output_folder_every_command(read_only, corpus, prompts, tiny_model_factory, capsys):
-    """Each command names the read-only output before its work (eval: before the engine starts)."""
+    """Each command names the read-only output before its work (eval: before it loads the model, here one that
+    is missing)."""
     model = tiny_model_factory("tiny-qwen2")
     capsys.readouterr()
     commands = {
-        "eval": ["--model", model, "--tasks", f"prompts:{prompts}", "--output", str(read_only / "results.json")],
+        "eval": ["--model", str(read_only.parent / "missing"), "--tasks", f"prompts:{prompts}", "--output",
+                 str(read_only / "results.json")],
         "plan": [*PLAN, "--out", str(read_only / "overlay.yaml")],
         "clean": ["--input", str(corpus), "--output", str(read_only / "c.jsonl")],
         "preprocess": ["--input", str(corpus), "--output-prefix", str(read_only / "p"), "--tokenizer", model,
@@ -204,10 +206,11 @@ def test_truncated_safetensors(tmp_path, tiny_model_factory, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_convert_full_disk_and_truncated_shard_leave_no_output(tmp_path, full_disk, tiny_model_factory, capsys):
+def test_convert_full_disk_and_truncated_shard_leave_no_output(tmp_path, full_disk, read_only, tiny_model_factory,
+                                                               capsys):
     """hf-to-mcore onto a full disk (the ranks' writes are real, the parent's last files fail), then a real
-    conversion whose shard is truncated: mcore-to-hf names the checkpoint, leaves no output folder, and with
-    --force keeps the old output intact."""
+    conversion: mcore-to-hf into a read-only folder names it before any rank starts; with a truncated shard it
+    names the checkpoint, leaves no output folder, and with --force keeps the old output intact."""
     model = tiny_model_factory("tiny-qwen2")
     capsys.readouterr()
     assert cli(["convert", "hf-to-mcore", "--hf", model, "--out", str(full_disk / "mc")]) == 2
@@ -218,6 +221,10 @@ def test_convert_full_disk_and_truncated_shard_leave_no_output(tmp_path, full_di
     mc = tmp_path / "mc"
     assert cli(["convert", "hf-to-mcore", "--hf", model, "--out", str(mc)]) == 0
     capsys.readouterr()
+    assert cli(["convert", "mcore-to-hf", "--mcore", str(mc), "--out", str(read_only / "hf")]) == 2
+    err = _one_line(capsys, "convert")
+    assert f"{read_only}/" in err and err.endswith(READ_ONLY), err
+    _nothing_left(read_only)
     shard = sorted((mc / "model").glob("*.distcp"))[-1]
     os.truncate(shard, shard.stat().st_size // 3)
     out = tmp_path / "hf"
@@ -225,14 +232,14 @@ def test_convert_full_disk_and_truncated_shard_leave_no_output(tmp_path, full_di
     assert "--trust-checkpoint" in _one_line(capsys, "convert")  # the manifest no longer matches the shard
     assert cli(["convert", "mcore-to-hf", "--mcore", str(mc), "--out", str(out), "--trust-checkpoint"]) == 2
     assert _one_line(capsys, "convert").endswith(f"{mc / 'model'}: truncated or corrupt checkpoint shard (EOFError)")
-    _nothing_left(tmp_path, "mc", "full")
+    _nothing_left(tmp_path, "mc", "full", "ro")
     out.mkdir()
     (out / "old.txt").write_text("kept")
     assert cli(["convert", "mcore-to-hf", "--mcore", str(mc), "--out", str(out), "--force",
                 "--trust-checkpoint"]) == 2
     _one_line(capsys, "convert")
     assert [p.name for p in out.iterdir()] == ["old.txt"]
-    _nothing_left(tmp_path, "mc", "full", "hf")
+    _nothing_left(tmp_path, "mc", "full", "ro", "hf")
 
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # a thread's traceback

@@ -50,6 +50,26 @@ def _loopback(ip: str) -> bool:
     return ip.startswith("127.") or ip == "::1"
 
 
+def listening_sockets(pid: int) -> list[tuple[int, str, str, int]]:
+    """(pid, name, address, port) of every listening TCP socket of process `pid` and all its descendants."""
+    import psutil
+
+    root = psutil.Process(pid)
+    out = []
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            out += [(p.pid, " ".join(p.cmdline())[:80], c.laddr.ip, c.laddr.port) for c in p.net_connections("inet")
+                    if c.status == psutil.CONN_LISTEN]
+        except psutil.Error:
+            continue
+    return out
+
+
+def exposed(sockets: list[tuple[int, str, str, int]]) -> list[tuple[int, str, str, int]]:
+    """The sockets of `sockets` that listen beyond loopback."""
+    return [s for s in sockets if not _loopback(s[2])]
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("where", ["run_dir", "long_run_dir"])
 def test_embedded_ray_listens_on_loopback_only(where, tmp_path):

@@ -147,3 +147,21 @@ def test_training_refuses_untrusted_checkpoint_before_workers(lm_inputs, tmp_pat
     assert not ray.is_initialized(), "the refusal must come before Ray starts"
     assert not marker.exists()
     shutil.rmtree(tmp_path / "other", ignore_errors=True)
+
+
+def test_warm_start_reads_hf_weights_as_safetensors_only(tiny_model_factory, tmp_path):
+    """The RL examples' warm start (and its accuracy check) load an HF folder from safetensors only: a folder
+    whose weights are a pickle (`pytorch_model.bin`) is refused, not unpickled."""
+    import torch
+    from safetensors.torch import load_file
+
+    from rlhf.driver.warmstart import greedy_accuracy, sft_warm_start
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_factory("tiny-qwen2"), model)
+    torch.save(load_file(model / "model.safetensors"), model / "pytorch_model.bin")
+    (model / "model.safetensors").unlink()
+    with pytest.raises(OSError, match="safetensors"):
+        sft_warm_start(model, [("1+1=", "2")], tmp_path / "out", steps=1, batch_size=1)
+    with pytest.raises(OSError, match="safetensors"):
+        greedy_accuracy(model, [("1+1=", "2")])

@@ -10,9 +10,13 @@ bootstrap (`NCCL_SOCKET_IFNAME`) and vLLM (`VLLM_HOST_IP`) at it; a value the us
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import socket
+import sys
 from typing import Any
+
+log = logging.getLogger("workers")
 
 LOOPBACK = "127.0.0.1"
 _ENV_KEYS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -26,14 +30,13 @@ def is_loopback(host: str) -> bool:
 def node_address() -> str:
     """The address this process's run listens on: this node's Ray address when the Ray cluster spans several
     nodes, else loopback (also without Ray)."""
+    ray = sys.modules.get("ray")  # not imported: not initialised either
     try:
-        import ray
-
-        if ray.is_initialized():
+        if ray is not None and ray.is_initialized():
             ip = ray.util.get_node_ip_address()
             if ip and not is_loopback(ip) and is_multi_node():
                 return ip
-    except Exception:  # noqa: BLE001 - no Ray, or not in a cluster: loopback
+    except Exception:  # noqa: BLE001 - not in a cluster after all: loopback
         pass
     return LOOPBACK
 
@@ -55,23 +58,26 @@ def own_address(master_addr: str) -> str:
     return ray.util.get_node_ip_address()
 
 
-def interface_of(host: str) -> str:
-    """The name of the network interface that holds `host` (an address or a resolvable name)."""
+def interface_of(host: str) -> str | None:
+    """The name of the network interface that holds `host` (an address or a resolvable name), or None."""
     import psutil
 
     ip = socket.gethostbyname(host) if ":" not in host else host
     for name, addrs in psutil.net_if_addrs().items():
         if any(a.address.split("%")[0] == ip for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)):
             return name
-    raise OSError(f"no network interface of this machine has the address {ip}")
+    return None
 
 
 def bind_process(host: str) -> None:
     """Make the sockets this process's libraries open themselves listen on `host`: gloo's devices, NCCL's
     bootstrap and vLLM's advertised address. Call before the first process group or engine is built."""
     iface = interface_of(host)
-    for key in _ENV_KEYS:
-        os.environ.setdefault(key, iface)
+    if iface is None:  # an address no interface holds (NAT): the libraries choose; say so in the log
+        log.warning("no network interface holds %s: gloo and NCCL pick their own", host)
+    else:
+        for key in _ENV_KEYS:
+            os.environ.setdefault(key, iface)
     os.environ.setdefault("VLLM_HOST_IP", host)
 
 

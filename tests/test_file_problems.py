@@ -297,3 +297,15 @@ def test_full_disk_under_the_run_side_files(full_disk, monkeypatch):
         write_report(report)
     assert str(info.value) == f"{report / 'report.png'}: cannot write: no space left on device"
     _nothing_left(report)
+
+
+def test_eval_results_on_a_full_disk(full_disk, prompts, tiny_model_factory, capsys):
+    """A real (one item, one token) evaluation whose results file does not fit: one line naming it, and no
+    half-written results file (it is renamed into place only when complete)."""
+    model = tiny_model_factory("tiny-qwen2")
+    capsys.readouterr()
+    assert cli(["eval", "--model", model, "--tasks", f"prompts:{prompts}", "--limit", "1", "--max-tokens", "1",
+                "--output", str(full_disk / "results.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == f"rlhf eval: error: {full_disk / 'results.json'}: cannot write: no space left on device", err
+    _nothing_left(full_disk)

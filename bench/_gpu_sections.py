@@ -123,8 +123,8 @@ def section_mfu() -> dict:
     import torch
 
     from workers.megatron.engine import MegatronEngine
-    from workers.megatron.launch import free_port
     from workers.megatron.parallel import destroy_distributed, init_distributed
+    from workers.net import free_port
     from workers.roles.logits import vocab_parallel_logprobs
     from workers.roles.micro import make_micro
 

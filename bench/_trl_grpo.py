@@ -42,12 +42,19 @@ def run(spec: dict) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlhf.driver.rewards import resolve_reward_fn
+    from rlhf.driver.rewards import builtin_reward_fn
 
     out = Path(spec["out_dir"])
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    reward = resolve_reward_fn(spec.get("reward", "exact_match"))  # a name or module:function, as our driver
+    name = spec.get("reward", "exact_match")  # a name or module:function, as our driver
+    if ":" in name:  # the peer scores in-process (our driver in reward processes)
+        import importlib
+
+        module, _, fn = name.partition(":")
+        reward = getattr(importlib.import_module(module), fn)
+    else:
+        reward = builtin_reward_fn(name)
 
     def reward_fn(prompts, completions, answer, **_):
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]

@@ -14,17 +14,6 @@ from rlhf.errors import UserError
 from workers.files import file_errors, partial_name
 
 
-def prepare_output_dir(path: str | Path, force: bool = False) -> Path:
-    """Create `path`; refuse an existing non-empty folder unless `force`, which empties it first."""
-    out = Path(path)
-    _check_output_dir(out, force)
-    if out.exists() and any(out.iterdir()):
-        shutil.rmtree(out)
-    with file_errors(out, "create the folder"):
-        out.mkdir(parents=True, exist_ok=True)
-    return out
-
-
 def _check_output_dir(out: Path, force: bool) -> None:
     if out.exists() and not out.is_dir():
         raise UserError(f"output path {out} exists and is not a directory")

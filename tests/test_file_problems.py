@@ -17,6 +17,7 @@ import io
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -126,10 +127,26 @@ def corpus(tmp_path_factory) -> Path:
     return src
 
 
-def test_read_only_output_folder_every_command(read_only, corpus, tiny_model_factory, capsys):
+PLAN = ["--model", "tiny-qwen2", "--nodes", "1", "--gpus-per-node", "1", "--gpu-mem", "24GiB", "--seq-len", "256",
+        "--global-batch", "8"]
+
+
+@pytest.fixture
+def prompts(tmp_path) -> Path:
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"What is {i}+1?", "answer": str(i + 1)}) + "\n" for i in range(2)))
+    return path
+
+
+def test_read_only_output_folder_every_command(read_only, corpus, prompts, tiny_model_factory, capsys):
+    """Each command names the read-only output before its work (eval: before it loads the model, here one that
+    is missing)."""
     model = tiny_model_factory("tiny-qwen2")
     capsys.readouterr()
     commands = {
+        "eval": ["--model", str(read_only.parent / "missing"), "--tasks", f"prompts:{prompts}", "--output",
+                 str(read_only / "results.json")],
+        "plan": [*PLAN, "--out", str(read_only / "overlay.yaml")],
         "clean": ["--input", str(corpus), "--output", str(read_only / "c.jsonl")],
         "preprocess": ["--input", str(corpus), "--output-prefix", str(read_only / "p"), "--tokenizer", model,
                        "--no-progress"],
@@ -145,9 +162,21 @@ def test_read_only_output_folder_every_command(read_only, corpus, tiny_model_fac
     _nothing_left(read_only)
 
 
-def test_full_disk_clean_preprocess(full_disk, corpus, tiny_model_factory, capsys):
+def test_full_disk_every_small_output(full_disk, corpus, prompts, tiny_model_factory, capsys):
+    """clean, preprocess, init-model, plan --out and eval --compare's chart on a full disk: one line naming the
+    output, nothing half-written left."""
     model = tiny_model_factory("tiny-qwen2")
     capsys.readouterr()
+    assert cli(["init-model", "--preset", "tiny-qwen2", "--out", str(full_disk / "m")]) == 2
+    assert _one_line(capsys, "init-model").endswith(f"{full_disk / 'm'}: cannot write: no space left on device")
+    assert cli(["plan", *PLAN, "--out", str(full_disk / "overlay.yaml")]) == 2
+    err = _one_line(capsys, "plan")
+    assert err.endswith(f"{full_disk / 'overlay.yaml'}: cannot write: no space left on device"), err
+    results = prompts.parent / "results.json"
+    results.write_text(json.dumps({"tasks": {"t": {"metric": "acc", "value": 0.5, "stderr": 0.1}}}))
+    assert cli(["eval", "--compare", str(results), "--output", str(full_disk / "cmp.json")]) == 2
+    err = _one_line(capsys, "eval")
+    assert err.endswith(f"{full_disk / 'eval_compare.png'}: cannot write: no space left on device"), err
     assert cli(["clean", "--input", str(corpus), "--output", str(full_disk / "c.jsonl")]) == 2
     assert _one_line(capsys, "clean").endswith(f"{full_disk / 'c.jsonl'}: cannot write: no space left on device")
     assert cli(["preprocess", "--input", str(corpus), "--output-prefix", str(full_disk / "p"),
@@ -177,10 +206,11 @@ def test_truncated_safetensors(tmp_path, tiny_model_factory, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_convert_full_disk_and_truncated_shard_leave_no_output(tmp_path, full_disk, tiny_model_factory, capsys):
+def test_convert_full_disk_and_truncated_shard_leave_no_output(tmp_path, full_disk, read_only, tiny_model_factory,
+                                                               capsys):
     """hf-to-mcore onto a full disk (the ranks' writes are real, the parent's last files fail), then a real
-    conversion whose shard is truncated: mcore-to-hf names the checkpoint, leaves no output folder, and with
-    --force keeps the old output intact."""
+    conversion: mcore-to-hf into a read-only folder names it before any rank starts; with a truncated shard it
+    names the checkpoint, leaves no output folder, and with --force keeps the old output intact."""
     model = tiny_model_factory("tiny-qwen2")
     capsys.readouterr()
     assert cli(["convert", "hf-to-mcore", "--hf", model, "--out", str(full_disk / "mc")]) == 2
@@ -191,6 +221,10 @@ def test_convert_full_disk_and_truncated_shard_leave_no_output(tmp_path, full_di
     mc = tmp_path / "mc"
     assert cli(["convert", "hf-to-mcore", "--hf", model, "--out", str(mc)]) == 0
     capsys.readouterr()
+    assert cli(["convert", "mcore-to-hf", "--mcore", str(mc), "--out", str(read_only / "hf")]) == 2
+    err = _one_line(capsys, "convert")
+    assert f"{read_only}/" in err and err.endswith(READ_ONLY), err
+    _nothing_left(read_only)
     shard = sorted((mc / "model").glob("*.distcp"))[-1]
     os.truncate(shard, shard.stat().st_size // 3)
     out = tmp_path / "hf"
@@ -198,11 +232,80 @@ def test_convert_full_disk_and_truncated_shard_leave_no_output(tmp_path, full_di
     assert "--trust-checkpoint" in _one_line(capsys, "convert")  # the manifest no longer matches the shard
     assert cli(["convert", "mcore-to-hf", "--mcore", str(mc), "--out", str(out), "--trust-checkpoint"]) == 2
     assert _one_line(capsys, "convert").endswith(f"{mc / 'model'}: truncated or corrupt checkpoint shard (EOFError)")
-    _nothing_left(tmp_path, "mc", "full")
+    _nothing_left(tmp_path, "mc", "full", "ro")
     out.mkdir()
     (out / "old.txt").write_text("kept")
     assert cli(["convert", "mcore-to-hf", "--mcore", str(mc), "--out", str(out), "--force",
                 "--trust-checkpoint"]) == 2
     _one_line(capsys, "convert")
     assert [p.name for p in out.iterdir()] == ["old.txt"]
-    _nothing_left(tmp_path, "mc", "full", "hf")
+    _nothing_left(tmp_path, "mc", "full", "ro", "hf")
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # a thread's traceback
+def test_full_disk_under_the_run_side_files(full_disk, monkeypatch):
+    """metrics.jsonl, TensorBoard's events (at the start and later, from its writer thread, without that
+    thread's traceback) and report.png on a full disk: a FileProblem naming the file (the CLI's one line), and
+    no half-drawn report. TensorBoard opens its file again for every record (each fits in the fixture's 64
+    bytes), so its folder gets a disk whose room counts over all of them."""
+    from rlhf.driver.metrics import MetricsLogger
+    from rlhf.driver.report import write_report
+    from workers.files import FileProblem
+
+    logger = MetricsLogger(full_disk, total_steps=9, tensorboard=False, progress_bar=False)
+    with pytest.raises(FileProblem) as info:
+        for step in range(1, 10):
+            logger.log(step, {"loss": 1.0 / step})
+    assert str(info.value) == f"{full_disk / 'metrics.jsonl'}: cannot write: no space left on device"
+    logger.close()
+
+    run = full_disk.parent / "tb"  # metrics.jsonl has room; TensorBoard's folder `room` bytes in all
+    room = {"left": 0}
+    full_open = io.open
+
+    def tb_disk(file, mode="r", *args, **kwargs):
+        f = full_open(file, mode, *args, **kwargs)
+        name = os.fsdecode(file) if isinstance(file, str | bytes | os.PathLike) else ""  # TensorBoard's are bytes
+        if not (name.startswith(str(run / "tensorboard")) and set(mode) & set("wa")):
+            return f
+        disk = _FullDiskFile(f, room["left"])
+        real_write = disk.write
+
+        def write(data):
+            room["left"] -= len(data)
+            return real_write(data)
+
+        disk.write = write
+        return disk
+
+    monkeypatch.setattr(io, "open", tb_disk)
+    with pytest.raises(FileProblem) as info:
+        MetricsLogger(run, total_steps=1, tensorboard=True, progress_bar=False)  # writes its first event
+    assert str(info.value) == f"{run / 'tensorboard'}: cannot write: no space left on device"
+    room["left"] = 200  # the first events fit; the writer thread fails on a later one, the logger names it
+    logger = MetricsLogger(run, total_steps=50, tensorboard=True, progress_bar=False)
+    with pytest.raises(FileProblem) as info:
+        for step in range(1, 51):
+            logger.log(step, {"x": 1.0})
+            time.sleep(0.05)  # the writer thread writes in the background
+    assert str(info.value) == f"{run / 'tensorboard'}: cannot write: no space left on device"
+    logger.close()
+
+    report = full_disk / "report"
+    report.mkdir()
+    with pytest.raises(FileProblem) as info:
+        write_report(report)
+    assert str(info.value) == f"{report / 'report.png'}: cannot write: no space left on device"
+    _nothing_left(report)
+
+
+def test_eval_results_on_a_full_disk(full_disk, prompts, tiny_model_factory, capsys):
+    """A real (one item, one token) evaluation whose results file does not fit: one line naming it, and no
+    half-written results file (it is renamed into place only when complete)."""
+    model = tiny_model_factory("tiny-qwen2")
+    capsys.readouterr()
+    assert cli(["eval", "--model", model, "--tasks", f"prompts:{prompts}", "--limit", "1", "--max-tokens", "1",
+                "--output", str(full_disk / "results.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == f"rlhf eval: error: {full_disk / 'results.json'}: cannot write: no space left on device", err
+    _nothing_left(full_disk)

@@ -38,6 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rlhf.errors import UserError
+    from rlhf.paths import staged_output_file
+    from rlhf.paths import check_writable, staged_output_file
 
     if args.compare:
         return _compare(args.compare, Path(args.output).with_name("eval_compare.png"))
@@ -54,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
 
     tasks = [load_task(t.strip(), args.limit, args.num_fewshot, args.seed) for t in args.tasks.split(",") if t.strip()]
     results = _evaluate(args, tasks, ks)
-    out.write_text(json.dumps({"model": args.model, "tasks": results}, indent=2, default=str))
+    with staged_output_file(out) as tmp:  # complete or absent: never a half-written results file
+        tmp.write_text(json.dumps({"model": args.model, "tasks": results}, indent=2, default=str))
     print(markdown_table({args.model: results}))
     print(f"results in {out}")
     return 0
@@ -76,11 +79,15 @@ def _ks(arg: str | None, n: int) -> list[int]:
 
 
 def _check_output(out: Path) -> None:
+    """A folder that cannot take the results fails now: a read-only or full one names the file and the
+    cause (workers.files), anything else in the way (a file where the folder should be) says so."""
     from rlhf.errors import UserError
     from rlhf.paths import check_writable
+    from workers.files import file_errors
 
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
+        with file_errors(out.parent, "create the folder"):
+            out.parent.mkdir(parents=True, exist_ok=True)
         check_writable(out)
     except OSError as e:
         where = f"{e.filename}: " if e.filename else ""
@@ -129,6 +136,7 @@ def markdown_table(runs: dict[str, dict[str, Any]]) -> str:
 
 def _compare(paths: list[str], figure: Path) -> int:
     from rlhf.errors import UserError
+    from rlhf.paths import check_writable
 
     runs: dict[str, dict[str, Any]] = {}
     for p in paths:
@@ -137,6 +145,7 @@ def _compare(paths: list[str], figure: Path) -> int:
             runs[str(p)] = json.loads(path.read_text())["tasks"]
         except (OSError, ValueError, KeyError) as e:
             raise UserError(f"--compare: {path} is not an `rlhf eval` results file ({e})") from None
+    check_writable(figure)
     print(markdown_table(runs))
     _bar_chart(runs, figure)
     print(f"chart in {figure}")
@@ -159,6 +168,8 @@ def legend_labels(paths: list[str]) -> list[str]:
 def _bar_chart(runs: dict[str, dict[str, Any]], figure: Path) -> None:
     import matplotlib
 
+    from rlhf.paths import staged_output_file
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -172,5 +183,8 @@ def _bar_chart(runs: dict[str, dict[str, Any]], figure: Path) -> None:
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(tasks))], tasks)
     ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(figure)
-    plt.close(fig)
+    try:
+        with staged_output_file(figure) as tmp:
+            fig.savefig(tmp, format="png")
+    finally:
+        plt.close(fig)

@@ -17,11 +17,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rlhf.paths import prepare_output_dir
+    from rlhf.paths import staged_output_dir
     from rlhf.tiny_models import create_tiny_model, get_preset
+    from workers.files import file_errors
 
     get_preset(args.preset)  # fail on a bad preset before touching the output folder
-    out = prepare_output_dir(args.out, force=args.force)
-    create_tiny_model(args.preset, out, seed=args.seed)
-    print(f"wrote {args.preset} to {out}")
+    # written under a temporary name, renamed when complete: a full disk leaves no model-looking folder
+    with staged_output_dir(args.out, force=args.force) as tmp, file_errors(args.out, "write"):
+        create_tiny_model(args.preset, tmp, seed=args.seed)
+    print(f"wrote {args.preset} to {args.out}")
     return 0

@@ -99,6 +99,24 @@ _DISK_TEXT = {"no space left on device": "no space left on device", "disk quota 
               "read-only file system": "read-only file system", "unexpected pos": "no space left on device"}
 
 
+def export_hf(path: Path, write: Callable[[str], Any]) -> None:
+    """The run's HF export at `path`: `write(folder)` (the policy's collective save) fills a staged folder that
+    replaces `path` only when complete. A full or read-only disk, met here or by a worker, ends in one line
+    naming the export and the cause, with nothing half-written left."""
+    from rlhf.paths import staged_output_dir
+
+    try:
+        with staged_output_dir(path, force=True) as tmp:
+            write(str(tmp))
+    except FileProblem:
+        raise
+    except BaseException as e:
+        cause = disk_cause(e)
+        if cause is not None:
+            raise FileProblem(path, f"cannot write the HF export: {cause}") from e
+        raise
+
+
 def disk_cause(exc: BaseException) -> str | None:
     """The disk problem behind `exc` (an OSError here, or a worker's error naming one), else None."""
     cause = os_cause(exc)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from rlhf.config import RunConfig
-from rlhf.driver.checkpoints import CheckpointManager
+from rlhf.driver.checkpoints import CheckpointManager, export_hf
 from rlhf.driver.lm import LMRun, global_batch_size, make_group, resolve_checkpoint
 from rlhf.driver.lm_data import SampleOrder, _field, tokenizer_path
 from rlhf.driver.scaffold import RunScaffold
@@ -231,5 +231,5 @@ def run_dpo(cfg: RunConfig) -> dict[str, float]:
             run.restore()
         last = run.run(frame.metrics_logger(run.step))
         if cfg.trainer.export_hf:
-            group.save_hf_weights(str(out / "hf"), tokenizer_path(cfg))
+            export_hf(out / "hf", lambda d: group.save_hf_weights(d, tokenizer_path(cfg)))
     return last

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.config import RunConfig
-from rlhf.driver.checkpoints import CheckpointManager, rng_state, set_rng_state
+from rlhf.driver.checkpoints import CheckpointManager, export_hf, rng_state, set_rng_state
 from rlhf.driver.lm_data import LMData, build_lm_data, check_lm_inputs, tokenizer_path
 from rlhf.driver.metrics import MetricsLogger
 from rlhf.driver.scaffold import RunScaffold
@@ -192,5 +192,5 @@ def run_lm(cfg: RunConfig) -> dict[str, float]:
         run.restore()
         last = run.run(frame.metrics_logger(run.step))
         if cfg.trainer.export_hf:
-            group.save_hf_weights(str(out / "hf"), tokenizer_path(cfg))
+            export_hf(out / "hf", lambda d: group.save_hf_weights(d, tokenizer_path(cfg)))
     return last

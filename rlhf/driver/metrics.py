@@ -1,17 +1,22 @@
 """Metric sinks for every stage: metrics.jsonl, TensorBoard, Ray gauges, a console progress bar and,
-when configured, Weights & Biases."""
+when configured, Weights & Biases. A full or read-only disk under metrics.jsonl or TensorBoard's folder
+raises a FileProblem naming the file (one line from the CLI); a wandb failure only turns wandb off."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
+import sys
+import threading
 import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from workers.files import FileProblem, file_errors
 
 if TYPE_CHECKING:
     from rlhf.config.schema import RunConfig
@@ -80,13 +85,17 @@ class MetricsLogger:
     def __init__(self, run_dir: str | Path, total_steps: int, tensorboard: bool = True, progress_bar: bool = True,
                  start_step: int = 0, prefix: str = "rlhf", wandb: dict[str, Any] | None = None) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a")
+        with file_errors(self.path, "write"):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a")
         self._tb = None
+        self._tb_dir = Path(run_dir) / "tensorboard"
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            _quiet_tensorboard_thread()
+            with file_errors(self._tb_dir, "write"):
+                self._tb = SummaryWriter(str(self._tb_dir))
         self._gauges: dict[str, Any] = {}
         self._prefix = prefix
         self._bar = None
@@ -123,13 +132,14 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        with file_errors(self.path, "write"):
+            self._file.write(json.dumps(row) + "\n")
+            self._file.flush()
         for k, v in row.items():
             if k == "step" or not isinstance(v, (int, float)):
                 continue
             if self._tb is not None:
-                self._tb.add_scalar(k, v, step)
+                self._tensorboard(lambda tb, k=k, v=v: tb.add_scalar(k, v, step))
             if k in GAUGE_KEYS or k.startswith("time/") or k.startswith(("val/", "eval/")):
                 self._gauge(k, v)
         if self._wandb is not None:
@@ -143,22 +153,59 @@ class MetricsLogger:
             self._bar.set_postfix(shown, refresh=False)
             self._bar.update(step - self._bar.n)  # redraws no more often than mininterval
 
+    def _tensorboard(self, call: Any) -> None:
+        """`call(writer)`; a disk problem is raised once, naming the folder, and ends the TensorBoard sink."""
+        try:
+            with file_errors(self._tb_dir, "write"):
+                call(self._tb)
+        except FileProblem:
+            self._tb = None
+            raise
+
     def close(self) -> None:
-        self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        """Close every sink (all of them, also when one fails; the first disk problem is raised after)."""
+        try:
+            with file_errors(self.path, "write"):
+                self._file.close()
+        finally:
+            try:
+                if self._tb is not None:
+                    self._tensorboard(lambda tb: tb.close())
+                    self._tb = None
+            finally:
+                self._close_others()
+
+    def _close_others(self) -> None:
         if self._bar is not None:
             self._bar.close()
+            self._bar = None
         if self._wandb is not None:
             try:
                 import wandb as wb
 
-                self._wandb.finish()
+                run, self._wandb = self._wandb, None
+                run.finish()
                 # finish() can return before wandb's service has flushed the run file; teardown waits for the
                 # service to exit, so the offline run is complete on disk (for `wandb sync`) once close returns.
                 wb.teardown()
             except Exception as e:  # noqa: BLE001 - wandb never stops training
                 self._wandb_failed("finish", e)
+
+
+def _quiet_tensorboard_thread() -> None:
+    """Leave out the traceback Python prints when TensorBoard's writer thread fails (a full disk): the
+    writer raises the same error again in the logging thread at its next call, where it is named."""
+    previous = threading.excepthook
+    if getattr(previous, "_rlhf_quiet", False):
+        return
+
+    def hook(args: Any) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError):
+            return
+        previous(args)
+
+    hook._rlhf_quiet = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

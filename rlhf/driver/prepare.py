@@ -181,10 +181,10 @@ def prepare_inputs(cfg: RunConfig) -> RunConfig:
     if cfg.data.task and not cfg.data.train_file:
         _task_data(cfg, out)
     if rl:
-        from rlhf.driver.rewards import resolve_reward_fn
+        from rlhf.driver.rewards import check_reward_fn
 
         if cfg.reward.fn and not cfg.reward.model_path:
-            resolve_reward_fn(cfg.reward.fn)
+            check_reward_fn(cfg.reward)
         if not cfg.data.train_file:
             raise ConfigError(f"data.train_file: expected a jsonl or parquet prompt file (or data.task: one of "
                               f"{', '.join(TASKS)})")

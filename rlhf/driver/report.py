@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlhf.driver.metrics import read_metrics
+from rlhf.paths import staged_output_file
 
 PANELS = (
     ("reward", ("reward_mean", "val/reward_mean")),
@@ -39,8 +40,11 @@ def write_report(run_dir: str | Path, title: str = "") -> str:
             ax.legend(fontsize=8)
     fig.suptitle(title or run_dir.name)
     fig.tight_layout()
-    fig.savefig(run_dir / "report.png", dpi=90)
-    plt.close(fig)
+    try:
+        with staged_output_file(run_dir / "report.png") as tmp:  # a full disk: one line, no half-drawn file
+            fig.savefig(tmp, dpi=90, format="png")
+    finally:
+        plt.close(fig)
     lines = [f"run: {run_dir}", f"steps logged: {len(rows)}"]
     for key in ("reward_mean", "val/accuracy", "val/reward_mean", "kl", "loss", "val/loss", "step_time_s"):
         xs, ys = _series(rows, key)
@@ -48,5 +52,6 @@ def write_report(run_dir: str | Path, title: str = "") -> str:
             lines.append(f"{key}: first {ys[0]:.4g} (step {xs[0]}) -> last {ys[-1]:.4g} (step {xs[-1]}), "
                          f"best {max(ys):.4g}")
     summary = "\n".join(lines) + "\n"
-    (run_dir / "summary.txt").write_text(summary)
+    with staged_output_file(run_dir / "summary.txt") as tmp:
+        tmp.write_text(summary)
     return summary

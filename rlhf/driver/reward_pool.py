@@ -3,7 +3,9 @@
 Calls run on `workers` processes at once (a slow reward does not serialize the batch). A call past
 `timeout_s` is ended by killing its process, which is replaced; a process that dies (the function exited
 or crashed) is replaced too. Requests and replies are JSON lines (rlhf/driver/reward_worker.py): nothing
-the user's code produces is unpickled in the driver.
+the user's code produces is unpickled in the driver. The processes ignore SIGINT and SIGTERM and run in
+their own session, so a stop signal to the whole job (a terminal's Ctrl-C, Slurm, `ray job stop`) leaves
+them to score the step the driver finishes; the driver ends them (`shutdown`), and they die with it.
 """
 
 from __future__ import annotations
@@ -36,9 +38,11 @@ class _Proc:
     """One reward process and the bytes of its reply stream not yet split into lines."""
 
     def __init__(self, spec: str) -> None:
+        # In its own session: a signal to the driver's process group (Ctrl-C, `ray job stop`) is the driver's
+        # to handle, and the step it finishes before stopping still needs its rewards; the driver ends these.
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "rlhf.driver.reward_worker", spec, json.dumps(sys.path)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, bufsize=0)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, bufsize=0, start_new_session=True)
         assert self.popen.stdout is not None and self.popen.stdin is not None
         self.fd = self.popen.stdout.fileno()
         self.buf = b""
@@ -74,6 +78,12 @@ class RewardPool:
     def __init__(self, spec: str, workers: int, timeout_s: float) -> None:
         self.spec, self.workers, self.timeout_s = spec, max(1, workers), timeout_s
         self._procs: list[_Proc] = []
+
+    def start(self) -> None:
+        """Start one process now (the others start with the first batch): UserError if the function does
+        not load within the start timeout."""
+        if not self._procs:
+            self._procs.append(self._start())
 
     def _start(self) -> _Proc:
         """A new process, once it has imported the function; UserError (one line) if it cannot."""

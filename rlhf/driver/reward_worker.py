@@ -43,6 +43,8 @@ def _send(out: IO[str], obj: dict[str, Any]) -> None:
 
 def main() -> int:
     _die_with_parent()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # stop signals are the driver's: it ends this process
+        signal.signal(sig, signal.SIG_IGN)
     spec, path = sys.argv[1], json.loads(sys.argv[2])
     sys.path[:0] = [p for p in path if p not in sys.path]
     out = os.fdopen(os.dup(1), "w")  # the reply channel
@@ -50,6 +52,8 @@ def main() -> int:
     module_name, _, fn_name = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(module_name), fn_name)
+        if not callable(fn):
+            raise TypeError(f"{fn_name} is a {type(fn).__name__}, not a function")
     except Exception as e:  # noqa: BLE001 - reported to the driver as one line
         _send(out, {"error": f"cannot load {spec}: {type(e).__name__}: {e}"})
         return 1

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -18,18 +17,22 @@ from rlhf.errors import ConfigError, UserError
 RewardCallable = Callable[[Any, str, Any], float]
 
 
-def resolve_reward_fn(spec: str) -> RewardCallable:
-    """`exact_match` (a name in algorithms.rewards) or `package.module:function`; fail fast with the reason."""
-    if ":" in spec:
-        module_name, _, fn_name = spec.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as e:
-            raise ConfigError(f"reward.fn: cannot import module {module_name!r} of {spec!r}: {e}") from None
-        fn = getattr(module, fn_name, None)
-        if not callable(fn):
-            raise ConfigError(f"reward.fn: module {module_name!r} has no function {fn_name!r}")
-        return fn
+def check_reward_fn(rc: RewardConfig) -> None:
+    """Fail fast, with the reason, on a `reward.fn` that is no built-in name and no `module:function` that
+    loads. The user's module is imported in a reward process (never in the driver: its top-level code is as
+    untrusted as the function), bounded in time like every start of one."""
+    if ":" not in rc.fn:
+        builtin_reward_fn(rc.fn)
+        return
+    pool = RewardPool(rc.fn, 1, rc.timeout_s)
+    try:
+        pool.start()
+    finally:
+        pool.shutdown()
+
+
+def builtin_reward_fn(spec: str) -> RewardCallable:
+    """A rule function of algorithms.rewards by name (`exact_match`, ...); ConfigError naming the choices."""
     try:
         return get_reward_fn(spec)
     except (KeyError, ValueError):
@@ -58,11 +61,13 @@ class RewardScorer:
     def __init__(self, rc: RewardConfig) -> None:
         assert rc.fn
         self.spec, self.on_error, self.fallback = rc.fn, rc.on_error, rc.fallback_score
-        self.fn = resolve_reward_fn(rc.fn)  # fails fast in the driver with the reason
-        self.pool = RewardPool(rc.fn, rc.num_workers, rc.timeout_s) if ":" in rc.fn else None
+        user = ":" in rc.fn
+        self.fn = None if user else builtin_reward_fn(rc.fn)
+        self.pool = RewardPool(rc.fn, rc.num_workers, rc.timeout_s) if user else None
         self.counts = {"reward/errors": 0.0, "reward/timeouts": 0.0}
 
     def _in_process(self, sample: tuple[Any, Any, Any]) -> Outcome:
+        assert self.fn is not None
         try:
             reply = encode(self.fn(*sample))
         except Exception as e:  # noqa: BLE001 - scored by reward.on_error like a user's function

@@ -15,7 +15,7 @@ import torch
 
 from algorithms import make_kl_controller
 from rlhf.config import RunConfig
-from rlhf.driver.checkpoints import rng_state, set_rng_state
+from rlhf.driver.checkpoints import export_hf, rng_state, set_rng_state
 from rlhf.driver.context import StepContext, accuracy
 from rlhf.driver.metrics import PhaseTimer
 from rlhf.driver.scaffold import RunScaffold
@@ -150,5 +150,5 @@ def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
                 save(step)
             run.stop_point(step, None if saved else partial(save, step))
         if t.export_hf:
-            roles.policy.export_hf(run.out / "hf", cfg.model.tokenizer_path or cfg.model.path)
+            export_hf(run.out / "hf", lambda d: roles.policy.export_hf(Path(d), cfg.model.tokenizer_path or cfg.model.path))
     return last

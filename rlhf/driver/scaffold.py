@@ -95,10 +95,12 @@ class RunScaffold:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         try:
-            if self.logger is not None:
-                self.logger.close()
-            for part in reversed(self._parts):
-                part.shutdown()
+            try:
+                if self.logger is not None:
+                    self.logger.close()
+            finally:
+                for part in reversed(self._parts):
+                    part.shutdown()
         finally:
             try:
                 if self._own_ray is not None:

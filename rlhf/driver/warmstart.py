@@ -46,7 +46,7 @@ def sft_warm_start(model_dir: str | Path, pairs: list[tuple[str | list, str]] | 
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_safetensors=True)
     model.train()
     encoded = [_encode_item(tok, item) for item in pairs]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -87,7 +87,7 @@ def greedy_accuracy(model_dir: str | Path, pairs: list[tuple[str | list, str]], 
 
     reward_fn = reward_fn or get_reward_fn("exact_match")
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_safetensors=True).eval()
     prompts = [_encode(tok, p, "")[0] for p, _ in pairs]
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), tok.pad_token_id, dtype=torch.long)

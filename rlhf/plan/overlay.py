@@ -7,8 +7,10 @@ from pathlib import Path
 
 import yaml
 
+from rlhf.paths import staged_output_file
 from rlhf.plan.hardware import GIB
 from rlhf.plan.search import Plan, Request
+from workers.files import file_errors
 
 TRAINED = ("policy", "critic")
 FROZEN = ("reference", "reward_model")
@@ -47,6 +49,8 @@ def write_overlay(path: str | Path, plan: Plan, req: Request) -> Path:
         header.append("not yet configurable, so NOT in this overlay: " + ", ".join(plan.missing))
     text = "".join(f"# {line}\n" for line in header) + yaml.safe_dump(overlay_dict(plan, req), sort_keys=False)
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(text)
+    with file_errors(p.parent, "create the folder"):
+        p.parent.mkdir(parents=True, exist_ok=True)
+    with staged_output_file(p) as tmp:  # complete or absent: a full disk names the file in one line
+        tmp.write_text(text)
     return p

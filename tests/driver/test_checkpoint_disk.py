@@ -50,3 +50,28 @@ def test_other_failures_keep_their_error(tmp_path):
     with pytest.raises(ValueError, match="a bug"):
         ckpt.save(1, {}, write_fails)
     assert not list((tmp_path / "checkpoints").glob("tmp-*"))
+
+
+@pytest.mark.parametrize("error, cause", [
+    (OSError(errno.ENOSPC, "No space left on device"), "no space left on device"),
+    (RuntimeError("role 'policy' rank 0 (pid 12, node n): save_hf_weights failed: OSError: [Errno 30] "
+                  "Read-only file system: '/run/hf/model.safetensors'"), "read-only file system"),
+])
+def test_hf_export_disk_problem_is_one_line_and_keeps_the_old_export(tmp_path, error, cause):
+    """The run's HF export is written by the policy's workers into a staged folder: a disk problem (here or
+    reported by a worker) names the export, leaves no partial folder, and the previous export stays whole."""
+    from rlhf.driver.checkpoints import export_hf
+
+    out = tmp_path / "hf"
+    export_hf(out, lambda d: (Path(d) / "model.safetensors").write_bytes(b"old"))
+    assert (out / "model.safetensors").read_bytes() == b"old"
+
+    def write_fails(d: str) -> None:
+        (Path(d) / "model.safetensors").write_bytes(b"ne")
+        raise error
+
+    with pytest.raises(FileProblem) as info:
+        export_hf(out, write_fails)
+    assert str(info.value) == f"{out}: cannot write the HF export: {cause}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    assert (out / "model.safetensors").read_bytes() == b"old"

@@ -1,7 +1,13 @@
 """SIGTERM / SIGINT stop a running `rlhf train` at the next step boundary with a checkpoint, one line and exit
 143 / 130, and --resume continues from that checkpoint, logging the same steps as a run that was never
 stopped. Without this, Ray's own SIGTERM handler ends the driver mid-step (exit 15, no checkpoint of the
-steps since the last periodic one).
+steps since the last periodic one). The signals reach more
+than the driver, as they do from a scheduler: SIGTERM also goes to the reward processes (`ray job stop`
+signals every process under the driver), SIGINT to the whole process group (Ctrl-C in a terminal).
+
+While the GRPO run trains, every listening socket of the driver and all its descendants (Ray, the policy
+and rollout ranks, their torch.distributed stores and gloo groups, the weight-sync store, vLLM) is on
+loopback.
 
 Waits are on events (a step logged, the exit), each bounded only to catch a hang (see test_failures)."""
 
@@ -13,43 +19,74 @@ import re
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import psutil
 import pytest
 from test_failures import HANG_S, _latest_checkpoint, _steps, wait_for
+from test_ray_private import exposed, listening_sockets
 from test_rl_e2e import FAST, metrics
 
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+USER_REWARD = "def score(prompt, response, answer):\n    return float(str(answer).strip() in response)\n"
 
 
-def _start(args: list[str], tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+def _start(args: list[str], tmp_path: Path, env: dict[str, str] = ENV) -> tuple[subprocess.Popen, Path]:
+    """The driver in its own session, so that a signal to its process group does not reach pytest."""
     err_file = tmp_path / "stderr.txt"
     with (tmp_path / "stdout.txt").open("w") as out, err_file.open("w") as err:
-        return subprocess.Popen(args, stdout=out, stderr=err, text=True, env=ENV), err_file
+        return subprocess.Popen(args, stdout=out, stderr=err, text=True, env=env, start_new_session=True), err_file
 
 
-def _stop(proc: subprocess.Popen, sig: int, run: Path, err_file: Path) -> str:
-    """Send `sig` once a step was logged; wait for the exit; the driver's last stderr line."""
+def _stop(proc: subprocess.Popen, send: Callable[[], Any], run: Path, err_file: Path) -> str:
+    """Call `send()` (it signals the run) once a step was logged; wait for the exit; the driver's last stderr
+    line."""
     try:
         wait_for("the first step in metrics.jsonl", lambda: any(s >= 1 for s in _steps(run)), proc, err_file)
-        proc.send_signal(sig)
+        send()
         wait_for("the driver to exit after the signal", lambda: proc.poll() is not None, proc, err_file,
                  exit_ok=True)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=60)
     return err_file.read_text().strip().splitlines()[-1]
 
 
+def _reward_processes(pid: int) -> list[psutil.Process]:
+    return [p for p in psutil.Process(pid).children(recursive=True)
+            if "rlhf.driver.reward_worker" in " ".join(p.cmdline())]
+
+
 @pytest.mark.timeout(3 * HANG_S)
 def test_sigterm_checkpoints_at_a_step_boundary_and_resumes(tmp_path):
+    """SIGTERM to the driver and its reward processes: they keep scoring the step the driver finishes (none
+    of its rewards fails), and the driver ends them. Before the signal: no socket beyond loopback."""
+    (tmp_path / "user_reward.py").write_text(USER_REWARD)
+    env = dict(ENV, PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
     run = tmp_path / "run"
     args = [sys.executable, "-m", "rlhf", "train", "configs/grpo_tiny.yaml", *FAST, "trainer.val_every=0",
             "data.val_size=4", "trainer.export_hf=false", "trainer.save_every=0", "trainer.total_steps=100000",
-            f"trainer.output_dir={run}"]
-    proc, err_file = _start(args, tmp_path)
-    last = _stop(proc, signal.SIGTERM, run, err_file)
+            "reward.fn=user_reward:score", "reward.on_error=fail", f"trainer.output_dir={run}"]
+    proc, err_file = _start(args, tmp_path, env)
+    seen: dict[str, Any] = {}
+
+    def send() -> None:
+        seen["sockets"] = listening_sockets(proc.pid)
+        seen["rewards"] = _reward_processes(proc.pid)
+        for p in [psutil.Process(proc.pid), *seen["rewards"]]:  # what `ray job stop` signals of a job's processes
+            p.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        seen["rewards_alive"] = [p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in seen["rewards"]]
+
+    last = _stop(proc, send, run, err_file)
+    assert len(seen["sockets"]) >= 5, seen["sockets"]  # GCS, raylet, agents, the ranks' stores and groups
+    assert not exposed(seen["sockets"]), f"listening beyond loopback: {exposed(seen['sockets'])}"
+    assert seen["rewards"] and all(seen["rewards_alive"]), "a reward process died of the stop signal"
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in seen["rewards"])
     assert proc.returncode == 143, err_file.read_text()[-3000:]
     m = re.fullmatch(r"rlhf train: stopped at step (\d+); resume with --resume", last)
     assert m, err_file.read_text()[-3000:]
@@ -58,7 +95,7 @@ def test_sigterm_checkpoints_at_a_step_boundary_and_resumes(tmp_path):
     assert "Traceback" not in err_file.read_text()
 
     resumed = subprocess.run([*args[:-2], f"trainer.total_steps={step + 1}", f"trainer.output_dir={run}",
-                              "--resume"], capture_output=True, text=True, env=ENV, timeout=HANG_S)
+                              "--resume"], capture_output=True, text=True, env=env, timeout=HANG_S)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"at step {step}" in resumed.stdout
     assert _steps(run) == sorted(set(_steps(run))) and _steps(run)[-1] == step + 1
@@ -67,7 +104,7 @@ def test_sigterm_checkpoints_at_a_step_boundary_and_resumes(tmp_path):
     # straight through (the loader, KL controller and RNG come back from the checkpoint).
     full = tmp_path / "full"
     r = subprocess.run([*args[:-2], f"trainer.total_steps={step + 1}", f"trainer.output_dir={full}"],
-                       capture_output=True, text=True, env=ENV, timeout=HANG_S)
+                       capture_output=True, text=True, env=env, timeout=HANG_S)
     assert r.returncode == 0, r.stderr[-3000:]
     a, b = ({row["step"]: row for row in metrics(d) if row["step"] > 0} for d in (full, run))
     assert sorted(a) == sorted(b) == list(range(1, step + 2))
@@ -78,12 +115,14 @@ def test_sigterm_checkpoints_at_a_step_boundary_and_resumes(tmp_path):
 
 @pytest.mark.timeout(3 * HANG_S)
 def test_sigint_stops_sft_with_a_checkpoint(tmp_path):
+    """SIGINT to the driver's whole process group, as Ctrl-C in a terminal sends it: the embedded Ray's
+    processes and the reaper are in that group too, and the run still stops with its checkpoint."""
     run = tmp_path / "sft"
     args = [sys.executable, "-m", "rlhf", "train", "configs/sft_tiny.yaml", "trainer.total_steps=100000",
             "trainer.save_every=0", "trainer.val_every=0", "trainer.eval_iters=0", "trainer.export_hf=false",
             "trainer.progress_bar=false", f"trainer.output_dir={run}"]
     proc, err_file = _start(args, tmp_path)
-    last = _stop(proc, signal.SIGINT, run, err_file)
+    last = _stop(proc, lambda: os.killpg(proc.pid, signal.SIGINT), run, err_file)
     assert proc.returncode == 130, err_file.read_text()[-3000:]
     m = re.fullmatch(r"rlhf train: stopped at step (\d+); resume with --resume", last)
     assert m, err_file.read_text()[-3000:]

@@ -38,9 +38,12 @@ for p in psutil.Process().children(recursive=True):
     except psutil.Error:
         pass
 node_ip = ray.util.get_node_ip_address()
+import urllib.request  # the metrics export port answers without the token (as the README says)
+port = ray._private.worker._global_node.metrics_export_port
+metrics_open = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).status == 200
 temp_dir = str(own.temp_dir)
 own.stop()
-print("RESULT", json.dumps({"listen": listen, "node_ip": node_ip, "temp_dir": temp_dir,
+print("RESULT", json.dumps({"listen": listen, "node_ip": node_ip, "temp_dir": temp_dir, "metrics_open": metrics_open,
                             "token": str(token_path()), "scratch_left": os.path.exists(temp_dir)}))
 """
 
@@ -48,6 +51,26 @@ print("RESULT", json.dumps({"listen": listen, "node_ip": node_ip, "temp_dir": te
 def _loopback(ip: str) -> bool:
     ip = ip.removeprefix("::ffff:")
     return ip.startswith("127.") or ip == "::1"
+
+
+def listening_sockets(pid: int) -> list[tuple[int, str, str, int]]:
+    """(pid, name, address, port) of every listening TCP socket of process `pid` and all its descendants."""
+    import psutil
+
+    root = psutil.Process(pid)
+    out = []
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            out += [(p.pid, " ".join(p.cmdline())[:80], c.laddr.ip, c.laddr.port) for c in p.net_connections("inet")
+                    if c.status == psutil.CONN_LISTEN]
+        except psutil.Error:
+            continue
+    return out
+
+
+def exposed(sockets: list[tuple[int, str, str, int]]) -> list[tuple[int, str, str, int]]:
+    """The sockets of `sockets` that listen beyond loopback."""
+    return [s for s in sockets if not _loopback(s[2])]
 
 
 @pytest.mark.timeout(300)
@@ -66,6 +89,7 @@ def test_embedded_ray_listens_on_loopback_only(where, tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         res = json.loads(proc.stdout.split("RESULT ", 1)[1])
         assert res["node_ip"] == "127.0.0.1"
+        assert res["metrics_open"], "the README says the metrics export port answers without a token"
         assert not stale_shm.exists(), "the start did not remove a dead driver's weight-sync file"
         assert len(res["listen"]) >= 5, res["listen"]  # GCS, raylet, agents, dashboard, the actor's worker
         names = " ".join(r[1] for r in res["listen"])

@@ -96,3 +96,27 @@ def test_builtin_reward_runs_in_process_and_an_unloadable_module_is_named(tmp_pa
         scorer.score(["q"], ["r"], [None])
     scorer.shutdown()
     assert math.isfinite(RewardConfig().fallback_score)
+
+
+def test_reward_module_is_checked_in_a_bounded_process_not_imported_by_the_driver(tmp_path, monkeypatch):
+    """The fail-fast check of reward.fn loads the user's module in a reward process: one whose import hangs
+    is named within the start timeout, and the driver never runs the module's top-level code."""
+    import sys
+    import time
+
+    from rlhf.driver import reward_pool
+    from rlhf.driver.rewards import check_reward_fn
+    from rlhf.errors import UserError
+
+    (tmp_path / "hang_mod.py").write_text("import time\ntime.sleep(3600)\ndef f(p, r, g):\n    return 1.0\n")
+    (tmp_path / "ok_mod.py").write_text("VALUE = 3\ndef f(p, r, g):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(reward_pool, "START_TIMEOUT_S", 3.0)
+    t0 = time.monotonic()
+    with pytest.raises(UserError, match=r"^reward.fn hang_mod:f: its process did not import the function within 3 s$"):
+        check_reward_fn(RewardConfig(fn="hang_mod:f", timeout_s=1.0))
+    assert time.monotonic() - t0 < 30
+    check_reward_fn(RewardConfig(fn="ok_mod:f"))
+    with pytest.raises(UserError, match=r"cannot load ok_mod:VALUE: TypeError: VALUE is a int, not a function"):
+        check_reward_fn(RewardConfig(fn="ok_mod:VALUE"))
+    assert "hang_mod" not in sys.modules and "ok_mod" not in sys.modules

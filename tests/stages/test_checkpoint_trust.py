@@ -83,6 +83,10 @@ def test_converted_checkpoint_trust(tiny_model_factory, tmp_path, capsys):
     assert ".metadata does not match its sha256" in err and "can run code" in err and "Traceback" not in err, err
     assert cli(["generate", "--model", str(ckpt), "--prompt", "hi"]) == 2  # same check, before any engine
     assert ".metadata does not match" in capsys.readouterr().err
+    (tmp_path / "q.jsonl").write_text(json.dumps({"prompt": "1+1?", "answer": "2"}) + "\n")
+    assert cli(["eval", "--model", str(ckpt), "--tasks", f"prompts:{tmp_path / 'q.jsonl'}", "--output",
+                str(tmp_path / "results.json")]) == 2
+    assert ".metadata does not match" in capsys.readouterr().err and not (tmp_path / "results.json").exists()
     with pytest.raises(Exception, match=r"\.metadata does not match"):  # the loader refuses on its own too
         run_distributed(mcore_to_hf_rank, 1, args=(str(ckpt), str(tmp_path / "hf3"), False), timeout_s=300)
     (model / MANIFEST_FILE).unlink()  # a foreign checkpoint: no manifest at all
@@ -111,11 +115,13 @@ def _fake_run(root: Path, marker: Path, with_manifest: bool) -> Path:
     return role
 
 
-@pytest.mark.parametrize("how", ["load", "resume"])
+@pytest.mark.parametrize("how", ["load", "resume", "rl-resume"])
 def test_training_refuses_untrusted_checkpoint_before_workers(lm_inputs, tmp_path, how):
+    """SFT with trainer.load / --resume and GRPO with --resume (a run dir whose checkpoint was planted)."""
     import ray
 
     from rlhf.driver.lm import run_lm
+    from rlhf.driver.rl import run_rl
 
     marker = tmp_path / "PWNED"
     run_dir = tmp_path / "run"
@@ -125,9 +131,37 @@ def test_training_refuses_untrusted_checkpoint_before_workers(lm_inputs, tmp_pat
     else:
         role = _fake_run(run_dir, marker, with_manifest=True)
         extra, match = ("trainer.resume=auto",), r"policy: \.metadata is not in its manifest"
-    cfg = load_config(None, lm_overrides(lm_inputs, "sft", run_dir, *extra))
-    with pytest.raises(UserError, match=match):
-        run_lm(cfg)
+    if how == "rl-resume":
+        prompts = tmp_path / "p.jsonl"
+        prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{i}+1="}], "answer": str(i + 1)})
+                                   + "\n" for i in range(16)))
+        cfg = load_config("configs/grpo_tiny.yaml", [
+            f"model.path={lm_inputs['model']}", "model.preset=null", "model.warm_start_steps=0", "data.task=null",
+            f"data.train_file={prompts}", "data.val_size=0", f"trainer.output_dir={run_dir}", *extra])
+        with pytest.raises(UserError, match=match):
+            run_rl(cfg)
+    else:
+        cfg = load_config(None, lm_overrides(lm_inputs, "sft", run_dir, *extra))
+        with pytest.raises(UserError, match=match):
+            run_lm(cfg)
     assert not ray.is_initialized(), "the refusal must come before Ray starts"
     assert not marker.exists()
     shutil.rmtree(tmp_path / "other", ignore_errors=True)
+
+
+def test_warm_start_reads_hf_weights_as_safetensors_only(tiny_model_factory, tmp_path):
+    """The RL examples' warm start (and its accuracy check) load an HF folder from safetensors only: a folder
+    whose weights are a pickle (`pytorch_model.bin`) is refused, not unpickled."""
+    import torch
+    from safetensors.torch import load_file
+
+    from rlhf.driver.warmstart import greedy_accuracy, sft_warm_start
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_factory("tiny-qwen2"), model)
+    torch.save(load_file(model / "model.safetensors"), model / "pytorch_model.bin")
+    (model / "model.safetensors").unlink()
+    with pytest.raises(OSError, match="safetensors"):
+        sft_warm_start(model, [("1+1=", "2")], tmp_path / "out", steps=1, batch_size=1)
+    with pytest.raises(OSError, match="safetensors"):
+        greedy_accuracy(model, [("1+1=", "2")])

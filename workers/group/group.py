@@ -42,6 +42,7 @@ from workers.group.errors import (
 from workers.group.pool import ResourcePool
 from workers.group.wait import Failure, is_death, settle, wait_all
 from workers.group.worker import WorkerContext, layout_of, tail_file
+from workers.net import LOOPBACK
 
 log = logging.getLogger("workers")
 _GRACE_S = 2.0  # after one rank fails, how long the others get to finish before the group is marked broken
@@ -185,7 +186,7 @@ class WorkerGroup:
         infos = self._wait([a.rank_info.remote() for a in self._actors], all_ranks, timeout_s, "start-up")
         self.infos = infos
         same_node = len({i["node_id"] for i in infos}) == 1
-        addr = "127.0.0.1" if same_node else infos[0]["node_ip"]
+        addr = LOOPBACK if same_node else infos[0]["node_ip"]
         port = self._wait([self._actors[0].free_port.remote(addr)], [0], timeout_s, "rendezvous")[0]
         refs = [a.init_world.remote(addr, port) for a in self._actors]
         self.infos = self._wait(refs, all_ranks, timeout_s, "init_world")

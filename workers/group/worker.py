@@ -106,9 +106,9 @@ class Worker:
 
     def free_port(self, host: str) -> int:
         """A free TCP port on `host` (rank 0 picks the rendezvous port)."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            return s.getsockname()[1]
+        from workers.net import free_port
+
+        return free_port(host)
 
     # ---- world --------------------------------------------------------------------------------
     def init_world(self, master_addr: str, master_port: int) -> dict[str, Any]:
@@ -125,14 +125,11 @@ class Worker:
         """Plain torch.distributed world (no megatron); the Megatron workers override this."""
         import torch
 
+        from workers.net import init_world
+
         backend = self.ctx.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        torch.distributed.init_process_group(
-            backend=backend,
-            init_method=f"tcp://{master_addr}:{master_port}",
-            rank=self.ctx.rank,
-            world_size=self.ctx.world_size,
-            timeout=datetime.timedelta(seconds=self.ctx.timeout_s),
-        )
+        init_world(backend, master_addr, master_port, self.ctx.rank, self.ctx.world_size,
+                   datetime.timedelta(seconds=self.ctx.timeout_s))
 
     def setup(self) -> None:
         """Build models etc. from `self.init_kwargs`; runs after the world is up."""

@@ -12,19 +12,12 @@ from __future__ import annotations
 import os
 import pickle
 import queue
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 from workers.files import FileProblem
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from workers.net import LOOPBACK, free_port
 
 
 class DistributedError(RuntimeError):
@@ -51,7 +44,7 @@ def _worker(
         from workers.megatron.parallel import destroy_distributed, init_distributed
 
         with cpu_device_mode():
-            init_distributed(rank, world_size, "127.0.0.1", port, tp=tp, pp=pp, ep=ep)
+            init_distributed(rank, world_size, LOOPBACK, port, tp=tp, pp=pp, ep=ep)
             try:
                 out = fn(*args)
             finally:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from workers.megatron.cpu_compat import apply_cpu_compat, cuda_absent
+from workers.net import LOOPBACK, init_world
 
 
 def default_backend() -> str:
@@ -19,7 +20,7 @@ def default_backend() -> str:
 def init_distributed(
     rank: int,
     world_size: int,
-    master_addr: str = "127.0.0.1",
+    master_addr: str = LOOPBACK,
     master_port: int = 29500,
     tp: int = 1,
     pp: int = 1,
@@ -52,13 +53,7 @@ def init_distributed(
         if backend == "nccl":
             local_rank = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
             torch.cuda.set_device(local_rank)
-        torch.distributed.init_process_group(
-            backend=backend,
-            init_method=f"tcp://{master_addr}:{master_port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        init_world(backend, master_addr, master_port, rank, world_size, datetime.timedelta(seconds=timeout_s))
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from workers.dtypes import DTYPE_NAMES
+from workers.net import bind_process, node_address
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 DTYPES = (*DTYPE_NAMES, "auto")  # vLLM's "auto": the model config's torch_dtype
@@ -109,8 +110,11 @@ def prepare_env(cfg: EngineConfig) -> str:
     """Set the environment vLLM reads at engine start; return the work dir. Call before building the LLM.
 
     CPU: in-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, executor "uni"), which starts in seconds
-    and lets weight sync hand vLLM a lazy iterator. GPU with tp > 1 keeps vLLM's worker processes.
+    and lets weight sync hand vLLM a lazy iterator. GPU with tp > 1 keeps vLLM's worker processes. vLLM's
+    own sockets (its gloo groups, the address it advertises) go to loopback, or this node's address in a
+    cluster of several nodes (workers/net.py).
     """
+    bind_process(node_address())
     work = cfg.work_dir or tempfile.mkdtemp(prefix="rollout_")
     os.makedirs(work, exist_ok=True)
     os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(work, "vllm_cache"))

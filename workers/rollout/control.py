@@ -5,18 +5,18 @@ under per-sync keys; receivers block on them with the sync timeout. A channel ma
 group (gloo, NCCL) built over the same store, made by the transport that owns the channel.
 
 The store listens on loopback (on one node) or this node's address (several nodes), never on every
-interface, and its values are signed JSON (wire.py), never pickles.
+interface (workers/net.py), and its values are signed JSON (wire.py), never pickles.
 """
 
 from __future__ import annotations
 
 import datetime
-import socket
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from workers.net import node_address, serve_store
 from workers.rollout import wire
 
 # (prefix store, rank, size, timeout) -> a process group, or None for transports without one
@@ -26,9 +26,8 @@ GroupFactory = Callable[[Any, int, int, datetime.timedelta], Any]
 class SyncEndpoint:
     """The control store, hosted in rollout engine 0's process for the life of the engine."""
 
-    def __init__(self, store: Any, host: str, port: int, sock: socket.socket | None = None) -> None:
+    def __init__(self, store: Any, host: str, port: int) -> None:
         self.store, self.host, self.port = store, host, port
-        self._sock = sock  # the listening socket the store serves on (kept open as long as the store)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -36,35 +35,9 @@ class SyncEndpoint:
 
     @classmethod
     def open(cls, host: str | None = None) -> SyncEndpoint:
-        host = host or node_ip()
-        # TCPStore binds every interface when it opens its own socket: give it one bound to `host`
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind((host, 0))
-        sock.listen(128)
-        port = sock.getsockname()[1]
-        store = torch.distributed.TCPStore(host, port, None, True, timeout=datetime.timedelta(seconds=60),
-                                           wait_for_workers=False, master_listen_fd=sock.fileno())
-        return cls(store, host, port, sock)
-
-
-def node_ip() -> str:
-    """This node's address when the Ray cluster spans several nodes, else loopback."""
-    try:
-        import ray
-
-        if ray.is_initialized():
-            ip = ray.util.get_node_ip_address()
-            if ip and not ip.startswith("127.") and is_multi_node():
-                return ip
-    except Exception:  # noqa: BLE001 - no Ray, or not in a cluster: loopback
-        pass
-    return "127.0.0.1"
-
-
-def is_multi_node() -> bool:
-    import ray
-
-    return len([n for n in ray.nodes() if n.get("Alive")]) > 1
+        host = host or node_address()
+        store = serve_store(host)  # on `host` only: TCPStore on its own binds every interface
+        return cls(store, host, store.port)
 
 
 class Channel:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from workers.dtypes import as_dtype
+from workers.net import gloo_group
 from workers.rollout.buckets import BucketMeta, BucketPacker, BufferPool
 from workers.rollout.control import Channel
 from workers.rollout.cpu import engine_ops
@@ -174,7 +175,7 @@ class GlooTransport(BucketTransport):
 
     @staticmethod
     def make_group(store: Any, rank: int, size: int, timeout: Any) -> Any:
-        return torch.distributed.ProcessGroupGloo(store, rank, size, timeout)
+        return gloo_group(store, rank, size, timeout)  # its device on loopback / this node's address
 
 
 class NcclTransport(BucketTransport):

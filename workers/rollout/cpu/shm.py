@@ -29,7 +29,7 @@ import logging
 import time
 from typing import Any
 
-from workers.rollout.control import is_multi_node
+from workers.net import is_multi_node
 from workers.rollout.cpu import engine_ops
 from workers.rollout.cpu.shm_file import SHM_DIR, ShmFile, ShmLayout, free_bytes, open_mapping
 from workers.rollout.transport import SyncSession, Transport, WeightSyncError, is_timeout, sync_error

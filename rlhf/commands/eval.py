@@ -39,7 +39,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from rlhf.errors import UserError
     from rlhf.paths import staged_output_file
-    from rlhf.paths import check_writable, staged_output_file
 
     if args.compare:
         return _compare(args.compare, Path(args.output).with_name("eval_compare.png"))

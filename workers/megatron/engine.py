@@ -13,7 +13,9 @@ megatron parallel_state are up (`workers.megatron.parallel.init_distributed`). W
   the model loads at any TP/PP/DP, the distributed optimizer state at another DP (`dp_reshardable`);
 - `offload()` / `onload()`: parameters to CPU and back between uses (GPU only; no-ops on CPU).
 - MoE models: the role's `MoEConfig` (router losses, dispatcher) as TransformerConfig overrides, and
-  after a training pass `moe_metrics()` (router losses and expert load, `workers.megatron.moe_metrics`).
+  after a training pass `moe_metrics()` (router losses and expert load, `workers.megatron.moe_metrics`);
+  routing replay (`workers.megatron.routing_replay`): a micro-batch's `routes` are the experts its
+  tokens use, and `forward_backward(record_routes=True)` keeps the experts every token used.
 """
 
 from __future__ import annotations
@@ -88,6 +90,15 @@ class MegatronEngine:
         self.config = model.config
         self.supports_explicit_positions = rope_positions.install(model)
         self.expert_parallel = self.moe is not None and ps.get_expert_model_parallel_world_size() > 1
+        self.routing = None
+        if self.moe is not None:
+            from workers.megatron import routing_replay
+
+            if recompute and pp > 1 and self.moe.routing_replay:
+                raise ValueError("routing replay with activation recompute and pipeline parallelism: the "
+                                 "1F1B schedule recomputes a micro-batch after later ones were set; use one")
+            self.routing = routing_replay.install(model, self.config)
+        self.recorded_routes: list[torch.Tensor] = []
         self.expert_load = None
         if self.moe is not None and trainable:
             from workers.megatron.moe_metrics import ExpertLoad
@@ -179,12 +190,17 @@ class MegatronEngine:
         micro_batches: list[Micro],
         loss_fn: Callable[[Micro, torch.Tensor], tuple[torch.Tensor, Any]],
         forward_only: bool,
+        record_routes: bool = False,
     ) -> list[Any]:
         """Run the pipeline schedule; returns the `data` of `loss_fn` per micro-batch on the last stage
         ([] on other stages). Gradients accumulate over the micro-batches; the schedule divides each
         returned loss by the number of micro-batches (scale it back up if the loss is already a sum).
         With expert parallelism the ranks of an EP group run aligned micro-batches (`ep_align`); the
-        results, gradients and router losses are those of this rank's own micro-batches."""
+        results, gradients and router losses are those of this rank's own micro-batches.
+
+        MoE models: a micro-batch's `routes` are replayed; with `record_routes`, `recorded_routes` holds
+        afterwards the experts every token of each micro-batch used ([b, s, L, k] int16, every layer's,
+        gathered over the pipeline stages; on every rank)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         runs = self._aligned(micro_batches)
@@ -199,10 +215,15 @@ class MegatronEngine:
                                    "use pack_sequences=True instead of 'prefix'")
             follow_mask(model, mb.attention_mask)
             extra = {} if run.padding is None else {"padding_mask": run.padding}
+            if self.routing is not None:
+                self.routing.set(mb.routes)
             with rope_positions.explicit_positions(mb.position_ids if mb.explicit_positions else None), \
                     self._router_losses_off(run.filler):
                 out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask,
                             **extra)
+            if record_routes and self.routing is not None and not run.filler:
+                b, s = mb.input_ids.shape[:2]
+                recorded.append(self.routing.recorded(b, s)[: run.rows, : run.cols])
             if run.filler:
                 return out, lambda output: (output.sum() * 0.0, None)
             if run.padding is None:
@@ -214,6 +235,7 @@ class MegatronEngine:
         if self.expert_load is not None and not forward_only:
             self.expert_load.reset()
         real = len(micro_batches)
+        recorded: list[torch.Tensor] = []
         grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
         with grad_ctx, self._grads_scaled(len(runs) / max(real, 1)):
             out = get_forward_backward_func()(
@@ -225,7 +247,25 @@ class MegatronEngine:
                 micro_batch_size=max(r.micro.input_ids.shape[0] for r in runs),
                 forward_only=forward_only,
             )
+        if self.routing is not None:
+            self.routing.clear()
+            self.recorded_routes = self._gather_stages(recorded) if record_routes else []
         return list(out)[:real] if self.is_last_stage else []
+
+    def _gather_stages(self, recorded: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every layer's routes on every stage: each stage holds -1 outside its own layers (MAX over PP)."""
+        from megatron.core import parallel_state as ps
+
+        if ps.get_pipeline_model_parallel_world_size() == 1 or not recorded:
+            return recorded
+        flat = torch.cat([r.flatten() for r in recorded]).to(self.device, torch.int32)
+        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX,
+                                     group=ps.get_pipeline_model_parallel_group())
+        out, o = [], 0
+        for r in recorded:
+            out.append(flat[o:o + r.numel()].view(r.shape).to("cpu", torch.int16))
+            o += r.numel()
+        return out
 
     def _aligned(self, micro_batches: list[Micro]) -> list[Aligned]:
         """The micro-batches as this rank runs them: as they are, or aligned with the EP group's."""

@@ -92,7 +92,8 @@ class RolloutWorker:
         Returns B = len(prompts) * n rows, the samples of a prompt contiguous: tensors `input_ids`
         [B, P+R] (prompt left-padded to P, response right-padded to R with the pad id), `attention_mask`,
         `responses` [B, R], `response_mask` (1 on response tokens incl. EOS), `rollout_logprobs` [B, R]
-        (sampled-token logprobs, 0 on padding); meta `prompt` (text), `response_text`, `finish_reason`,
+        (sampled-token logprobs, 0 on padding); with `return_routed_experts` (MoE), `routed_experts`
+        [B, P+R, layers, top-k] (int16, -1 where nothing was routed); meta `prompt` (text), `response_text`, `finish_reason`,
         `group_id` (index of the source prompt); info `rollout/*` timings.
         """
         sp = _sampling(sampling)

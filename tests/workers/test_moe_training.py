@@ -86,6 +86,8 @@ def test_train_step_at_ep2_and_tp2_ep2_equals_ep1(env):
     assert all(math.isfinite(m[k]) for k in METRICS)
     assert m["moe/aux_loss"] > 0 and m["moe/z_loss"] > 0
     assert 1.0 <= m["moe/load_imbalance"] <= m["moe/load_imbalance_max"] <= 4 / 2  # at most experts / top-k
+    per_layer = [m[f"moe/load_imbalance/layer{i}"] for i in (0, 1)]  # tiny-qwen2-moe: both layers MoE
+    assert max(per_layer) == m["moe/load_imbalance_max"] and sum(per_layer) / 2 == pytest.approx(m["moe/load_imbalance"])
 
 
 LOSS = {"clip_low": 0.2, "clip_high": 0.28}

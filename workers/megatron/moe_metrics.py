@@ -6,8 +6,8 @@
   balanced router gives 1 (its minimum).
 - `moe/load_imbalance`: per MoE layer, the most tokens routed to one expert over the mean per expert,
   counted over the whole step (all micro-batches and data-parallel ranks, padding tokens included), then
-  averaged over the layers; `moe/load_imbalance_max`: the worst layer. 1 = perfectly balanced, at most
-  num_experts / top-k (every token on the same k experts).
+  averaged over the layers; `moe/load_imbalance_max`: the worst layer; `moe/load_imbalance/layer{i}`: layer
+  i's (0-based). 1 = perfectly balanced, at most num_experts / top-k (every token on the same k experts).
 """
 
 from __future__ import annotations
@@ -88,4 +88,5 @@ class ExpertLoad:
             imbalance = counts.max(1).values / mean
             out["moe/load_imbalance"] = float(imbalance.mean())
             out["moe/load_imbalance_max"] = float(imbalance.max())
+            out |= {f"moe/load_imbalance/layer{i}": float(v) for i, v in zip(layers, imbalance.tolist())}
         return out

@@ -9,8 +9,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
-V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM's switch to its V2 model runner (routed-experts capture)
-_V2_RUNNER_SET_HERE: list[str | None] = []  # the switch's value before prepare_env set it
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 
 
@@ -61,8 +59,8 @@ class EngineConfig(EngineOptions):
     enable_sleep_mode: bool = False  # GPU colocated with training: free weights / KV during training
     enforce_eager: bool | None = None  # None: eager on CPU, CUDA graphs on GPU
     # MoE models: return the experts each token was routed to (`routed_experts` in the generate Batch), for
-    # routing replay and the routing mismatch. vLLM records them only in its V2 model runner, with prefix
-    # caching (cached prompt blocks keep their routes), so both are switched on with it.
+    # routing replay and the routing mismatch (workers/rollout/route_capture.py). Prefix caching is off then:
+    # a cached prompt token is not run, so it would have no routes.
     return_routed_experts: bool = False
     work_dir: str | None = None  # TMPDIR / VLLM_CACHE_ROOT for the engine (None: a fresh temp folder)
     extra: dict[str, Any] = field(default_factory=dict)  # passed to vllm.LLM as is
@@ -125,16 +123,6 @@ def prepare_env(cfg: EngineConfig) -> str:
         os.environ["TMPDIR"] = os.path.join(work, "tmp")
         os.makedirs(os.environ["TMPDIR"], exist_ok=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if cfg.return_routed_experts:
-        _V2_RUNNER_SET_HERE.append(os.environ.get(V2_RUNNER_ENV))
-        os.environ[V2_RUNNER_ENV] = "1"
-    elif _V2_RUNNER_SET_HERE:  # an earlier engine of this process asked for it: back to what it was
-        before = _V2_RUNNER_SET_HERE[0]
-        _V2_RUNNER_SET_HERE.clear()
-        if before is None:
-            os.environ.pop(V2_RUNNER_ENV, None)
-        else:
-            os.environ[V2_RUNNER_ENV] = before
     if cfg.num_threads and not cuda_available():
         # vLLM drops torch to 1 thread for serving unless OMP_NUM_THREADS is set (and then forbids changes).
         os.environ["OMP_NUM_THREADS"] = str(cfg.num_threads)
@@ -152,12 +140,10 @@ def llm_kwargs(cfg: EngineConfig) -> dict[str, Any]:
         tensor_parallel_size=cfg.tp,
         max_num_seqs=cfg.max_num_seqs,
         kv_cache_memory_bytes=int(cfg.kv_cache_gb * (1 << 30)),
-        enable_prefix_caching=cfg.enable_prefix_caching or cfg.return_routed_experts,
+        enable_prefix_caching=cfg.enable_prefix_caching and not cfg.return_routed_experts,
         logprobs_mode=cfg.logprobs_mode,
         enforce_eager=(not on_gpu) if cfg.enforce_eager is None else cfg.enforce_eager,
     )
-    if cfg.return_routed_experts:
-        kw["enable_return_routed_experts"] = True
     if cfg.max_model_len is not None:
         kw["max_model_len"] = cfg.max_model_len
     if cfg.max_num_batched_tokens is not None:

@@ -152,8 +152,8 @@ def build_output(prompts: Prompts, outputs: Sequence[Sequence[Any]], n: int, pad
 def _routes(prompts: Prompts, outputs: Sequence[Sequence[Any]], n: int, width: int) -> torch.Tensor | None:
     """The experts the engine routed each token to, [rows, width, layers, top-k] int16 in the `input_ids`
     columns (-1 where it routed nothing: padding, the last response token), when it recorded them (MoE
-    models with `return_routed_experts`); vLLM gives [tokens it ran, layers, top-k] per sample, from the
-    first prompt token on (prefix-cached prompt blocks included)."""
+    models with `return_routed_experts`: [tokens it ran, layers, top-k] per sample from the first prompt
+    token on, `workers.rollout.route_capture`); None if a sample has none."""
     comps = [c for cs in outputs for c in cs]
     found = [getattr(c, "routed_experts", None) for c in comps]
     if not comps or any(r is None for r in found):

@@ -34,7 +34,7 @@ from workers.dtypes import as_dtype
 from workers.megatron import rope_positions
 from workers.megatron.ckpt_manifest import check_checkpoint, write_manifest
 from workers.megatron.cpu_compat import cuda_absent
-from workers.megatron.ep_align import Aligned, align_micros
+from workers.megatron.ep_align import Aligned, align_micros, round_columns
 from workers.megatron.hf_weights import HFTensorSource
 from workers.megatron.masks import follow_mask
 from workers.megatron.micro_batch import Micro
@@ -80,8 +80,11 @@ class MegatronEngine:
             # micro-batches may differ in size and length (the MoE-only dispatcher check needs alltoall)
             overrides.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
         self.moe = build(MoEConfig, moe) if family_of(self.hf_config).moe else None
+        self.tp = ps.get_tensor_model_parallel_world_size()
         if self.moe is not None:
             overrides.update(self.moe.transformer_overrides(pp))
+            if self.tp > 1:  # megatron trains MoE layers at TP > 1 only with sequence parallelism
+                overrides.update(sequence_parallel=True)
         model = build_gpt_model(self.hf_config, dtype=self.dtype, value_head=value_head, **overrides)
         model.to(self.device)
         if load_weights:
@@ -97,7 +100,7 @@ class MegatronEngine:
             if recompute and pp > 1 and self.moe.routing_replay:
                 raise ValueError("routing replay with activation recompute and pipeline parallelism: the "
                                  "1F1B schedule recomputes a micro-batch after later ones were set; use one")
-            self.routing = routing_replay.install(model, self.config)
+            self.routing = routing_replay.install(model, self.config, self.device)
         self.recorded_routes: list[torch.Tensor] = []
         self.expert_load = None
         if self.moe is not None and trainable:
@@ -218,7 +221,7 @@ class MegatronEngine:
             if self.routing is not None:
                 self.routing.set(mb.routes)
             with rope_positions.explicit_positions(mb.position_ids if mb.explicit_positions else None), \
-                    self._router_losses_off(run.filler):
+                    self._router_losses(run):
                 out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask,
                             **extra)
             if record_routes and self.routing is not None and not run.filler:
@@ -268,12 +271,17 @@ class MegatronEngine:
         return out
 
     def _aligned(self, micro_batches: list[Micro]) -> list[Aligned]:
-        """The micro-batches as this rank runs them: as they are, or aligned with the EP group's."""
+        """The micro-batches as this rank runs them: as they are, or aligned with the EP group's; with sequence
+        parallelism (MoE at TP > 1) their columns padded to a multiple of TP."""
         if not self.expert_parallel:
-            return [Aligned(m, *m.input_ids.shape[:2]) for m in micro_batches]
-        from megatron.core import parallel_state as ps
+            runs = [Aligned(m, *m.input_ids.shape[:2]) for m in micro_batches]
+        else:
+            from megatron.core import parallel_state as ps
 
-        return align_micros(micro_batches, ps.get_expert_model_parallel_group(), self.device)
+            runs = align_micros(micro_batches, ps.get_expert_model_parallel_group(), self.device)
+        if self.config.sequence_parallel:
+            runs = [round_columns(r, self.tp) for r in runs]
+        return runs
 
     @contextlib.contextmanager
     def _grads_scaled(self, factor: float) -> Iterator[None]:
@@ -290,16 +298,28 @@ class MegatronEngine:
             self.config.grad_scale_func = inner
 
     @contextlib.contextmanager
-    def _router_losses_off(self, off: bool) -> Iterator[None]:
-        """No router losses and no expert-load counts while `off` (EP filler micro-batches)."""
-        if not off:
-            yield
-            return
+    def _router_losses(self, run: Aligned) -> Iterator[None]:
+        """The router losses of one micro-batch's forward: none, and no expert-load counts, for an EP filler;
+        under sequence parallelism with padding, the z-loss coefficient of this TP rank weighted by its share
+        of the real tokens. megatron-core 0.16.1 averages the z-loss over each TP rank's slice of the sequence
+        (coefficient / TP each), which weights the tokens unequally when padding leaves the slices with
+        different numbers of real tokens; coefficient x TP x (this slice's real tokens / the micro-batch's)
+        makes the sum over the ranks the micro-batch's mean, as without TP."""
         c = self.config
         saved = c.moe_aux_loss_coeff, c.moe_z_loss_coeff
-        c.moe_aux_loss_coeff, c.moe_z_loss_coeff = 0.0, None
-        if self.expert_load is not None:
-            self.expert_load.paused = True
+        if run.filler:
+            c.moe_aux_loss_coeff, c.moe_z_loss_coeff = 0.0, None
+            if self.expert_load is not None:
+                self.expert_load.paused = True
+        elif c.moe_z_loss_coeff and c.sequence_parallel and run.padding is not None:
+            from megatron.core import parallel_state as ps
+
+            real = ~run.padding.transpose(0, 1)  # [s, b], the sequence split over the TP ranks
+            chunk = real.shape[0] // self.tp
+            mine = real[ps.get_tensor_model_parallel_rank() * chunk:][:chunk]
+            # a slice of padding only has a z-loss of 0 at any coefficient (not 0: megatron divides by it)
+            share = max(float(mine.sum()), 1.0) / max(float(real.sum()), 1.0)
+            c.moe_z_loss_coeff = c.moe_z_loss_coeff * self.tp * share
         try:
             yield
         finally:

@@ -79,3 +79,22 @@ def _pad(m: Micro, b: int, s: int) -> Aligned:
         routes[:b0, :s0] = m.routes
     micro = Micro(ids, pos, mask, m.fields, offset=m.offset, explicit_positions=m.explicit_positions, routes=routes)
     return Aligned(micro, b0, s0, padding)
+
+
+def round_columns(run: Aligned, multiple: int) -> Aligned:
+    """`run` with its columns padded up to a multiple of `multiple` (sequence parallelism splits the sequence
+    over the TP ranks); the added columns are padding like EP alignment's."""
+    m = run.micro
+    b, s = m.input_ids.shape[:2]
+    if s % multiple == 0:
+        return run
+    width = -(-s // multiple) * multiple
+    if run.filler:
+        ids = m.input_ids.new_zeros(b, width)
+        pos = torch.arange(width, device=ids.device).expand(b, width)
+        filler = Micro(ids, pos, causal_mask(width, device=ids.device)[None, None], {})
+        return Aligned(filler, b, width, filler=True)
+    out = _pad(m, b, width)
+    if run.padding is not None:
+        out.padding[:, :s] |= run.padding
+    return Aligned(out.micro, run.rows, run.cols, out.padding)

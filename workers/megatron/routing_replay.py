@@ -13,7 +13,8 @@ all tokens or none and keeps one process-wide list of instances; ours is per rou
 
 Routes are laid out like the micro-batch's tokens, [b, s, L, k] (L = the model's layers, global
 numbering; each router reads its own layer's slice, so a pipeline stage uses only its layers' routes).
-The router sees tokens in megatron's [s, b] order, flattened.
+The router sees tokens in megatron's [s, b] order, flattened; under sequence parallelism (MoE at TP > 1)
+each TP rank routes its own slice of the sequence.
 """
 
 from __future__ import annotations
@@ -54,10 +55,16 @@ class RouteReplay:
 class RoutingReplay:
     """The replay objects of a model's routers, set per micro-batch (`set`) and read back (`recorded`)."""
 
-    def __init__(self, model: torch.nn.Module, num_layers: int, topk: int) -> None:
+    def __init__(self, model: torch.nn.Module, num_layers: int, topk: int, sequence_parallel: bool = False,
+                 device: torch.device | str = "cpu") -> None:
+        from megatron.core import parallel_state as ps
         from megatron.core.transformer.moe.router import Router
 
-        self.num_layers, self.topk = num_layers, topk
+        self.num_layers, self.topk, self.device = num_layers, topk, torch.device(device)
+        # with sequence parallelism each TP rank routes its own slice of the sequence
+        self.tp = ps.get_tensor_model_parallel_world_size() if sequence_parallel else 1
+        self.tp_rank = ps.get_tensor_model_parallel_rank() if sequence_parallel else 0
+        self.tp_group = ps.get_tensor_model_parallel_group() if self.tp > 1 else None
         self.routers: dict[int, RouteReplay] = {}  # 0-based global layer -> its router's replay
         for module in model.modules():
             if isinstance(module, Router) and module.layer_number is not None and hasattr(module, "router_replay"):
@@ -74,22 +81,34 @@ class RoutingReplay:
             if routes.shape[2:] != (self.num_layers, self.topk):
                 raise ValueError(f"routing replay: routes of shape {tuple(routes.shape)}; the model has "
                                  f"{self.num_layers} layers and top-{self.topk} routing ([b, s, layers, top-k])")
-            replay.target = routes[:, :, layer].transpose(0, 1).reshape(-1, self.topk)
+            replay.target = self._local(routes[:, :, layer].transpose(0, 1)).reshape(-1, self.topk)
+
+    def _local(self, x: torch.Tensor) -> torch.Tensor:
+        """This TP rank's slice of `x` [s, ...] under sequence parallelism (all of it otherwise)."""
+        chunk = x.shape[0] // self.tp
+        return x[self.tp_rank * chunk:(self.tp_rank + 1) * chunk]
 
     def recorded(self, b: int, s: int) -> torch.Tensor:
         """After a forward of a [b, s] micro-batch: the experts each router used, [b, s, L, k] int16 (-1 in
-        the layers this rank has no router for: dense layers, other pipeline stages)."""
-        out = torch.full((b, s, self.num_layers, self.topk), UNROUTED, dtype=torch.int16)
+        the layers this rank has no router for: dense layers, other pipeline stages). Under sequence
+        parallelism a collective over the TP group (each rank routed its slice of the sequence)."""
+        out = torch.full((s, b, self.num_layers, self.topk), UNROUTED, dtype=torch.int32)
+        mine = self._local(out)
         for layer, replay in self.routers.items():
             if replay.recorded is not None:
-                out[:, :, layer] = replay.recorded.to("cpu", torch.int16).view(s, b, self.topk).transpose(0, 1)
-        return out
+                mine[:, :, layer] = replay.recorded.to("cpu", torch.int32).view(-1, b, self.topk)
+        if self.tp_group is not None:
+            t = out.to(self.device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.tp_group)
+            out = t.cpu()
+        return out.transpose(0, 1).to(torch.int16)
 
     def clear(self) -> None:
         for replay in self.routers.values():
             replay.target = replay.recorded = None
 
 
-def install(model: torch.nn.Module, config: Any) -> RoutingReplay:
-    """Replay objects on every router of `model` (a megatron GPT with MoE layers)."""
-    return RoutingReplay(model, int(config.num_layers), int(config.moe_router_topk))
+def install(model: torch.nn.Module, config: Any, device: torch.device) -> RoutingReplay:
+    """Replay objects on every router of `model` (a megatron GPT with MoE layers on `device`)."""
+    return RoutingReplay(model, int(config.num_layers), int(config.moe_router_topk), bool(config.sequence_parallel),
+                         device)

@@ -28,7 +28,7 @@ from .kl import (
 )
 from .losses import entropy_from_logits, lm_loss, logprobs_from_logits, policy_loss, value_loss
 from .masked import masked_mean, masked_sum, masked_var, masked_whiten
-from .mismatch import logprob_mismatch
+from .mismatch import logprob_mismatch, routing_disagreement, routing_disagreement_metrics
 from .preference import PREFERENCE_LOSSES, check_preference_loss, preference_loss
 from .rewards import (
     RewardFn,
@@ -77,6 +77,8 @@ __all__ = [
     "list_rewards",
     "lm_loss",
     "logprob_mismatch",
+    "routing_disagreement",
+    "routing_disagreement_metrics",
     "logprobs_from_logits",
     "make_kl_controller",
     "masked_mean",

@@ -13,7 +13,11 @@ Where the difference comes from: the batch is padded to its longest prompt and r
 driver and rollout produce); HF computes every padded position, our worker packs each micro-batch's
 sequences into as few rows as possible (block-diagonal attention) and so skips most of the padding.
 Prints both rates and `RATIO train_throughput_vs_hf <ours / HF>`.
-Usage: python bench/train_throughput.py [--preset small-qwen2] [--batch 16] [--micro 8] [--steps 5]
+The MoE row (`--moe`): the same with `small-qwen2`'s attention and width as a Qwen2-MoE (8 routed experts,
+top-2, expert FFN 704 = half the dense one, a gated shared expert of 704; ~2.5x the parameters, about the
+dense model's compute per token): transformers' Qwen2-MoE against our Megatron engine (sequential experts on
+CPU), `RATIO train_throughput_vs_hf_moe`.
+Usage: python bench/train_throughput.py [--preset small-qwen2] [--moe] [--batch 16] [--micro 8] [--steps 5]
 """
 
 from __future__ import annotations
@@ -31,6 +35,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from workers.batch import Batch, pad_sequences
+
+
+def moe_preset(base: str) -> str:
+    """Register (in this process) `base` as a Qwen2-MoE: 8 experts, top-2, expert and shared FFN half of the
+    dense one (see the module docstring)."""
+    import dataclasses
+
+    from rlhf import tiny_models
+
+    p = tiny_models.get_preset(base)
+    name = f"{base}-moe"
+    tiny_models.PRESETS[name] = dataclasses.replace(p, family="qwen2_moe", extra={
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": p.intermediate_size // 2,
+        "shared_expert_intermediate_size": p.intermediate_size // 2, "norm_topk_prob": False})
+    return name
 
 
 def make_batch(n: int, vocab: int, prompt_len: int, resp_len: int, seed: int = 0) -> Batch:
@@ -119,9 +138,13 @@ def main() -> None:
     ap.add_argument("--resp-len", type=int, default=96)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--moe", action="store_true", help="the preset as a Qwen2-MoE (see the module docstring)")
     args = ap.parse_args()
 
     from rlhf.tiny_models import create_tiny_model, get_preset
+
+    if args.moe:
+        args.preset = moe_preset(args.preset)
 
     with tempfile.TemporaryDirectory() as tmp:
         path = str(create_tiny_model(args.preset, Path(tmp) / args.preset))
@@ -144,7 +167,7 @@ def main() -> None:
     print(f"median-step ratio {ours_tps / hf_tps:.3f}; CPU-time ratio (median HF CPU s / ours) "
           f"{statistics.median(hf_cpu) / statistics.median(ours_cpu):.3f}; load1 {os.getloadavg()[0]:.1f} on "
           f"{os.cpu_count()} cores")
-    print(f"RATIO train_throughput_vs_hf {pair:.3f}")
+    print(f"RATIO train_throughput_vs_hf{'_moe' if args.moe else ''} {pair:.3f}")
 
 
 if __name__ == "__main__":

@@ -59,8 +59,8 @@ def ppo_learned(curve: Curve) -> str | None:
     return None if end - start >= 0.05 else f"accuracy {start:.1%} -> last two {end:.1%} (want +5 points)"
 
 
-def tools_learned(curve: Curve) -> str | None:
-    """+20 points at the best evaluation (the issue's promise for the calculator example)."""
+def best_up_20(curve: Curve) -> str | None:
+    """+20 points at the best evaluation (the issues' promise for the calculator and the MoE examples)."""
     start, best, _ = _points(curve)
     return None if best - start >= 0.20 else f"accuracy {start:.1%} -> best {best:.1%} (want +20 points)"
 
@@ -85,7 +85,10 @@ def loss_fell(curve: Curve) -> str | None:
 EXAMPLES = [
     Example("grpo_tiny", "val/accuracy", grpo_learned, "greedy accuracy +25 points (best), +20 (last two)"),
     Example("ppo_tiny", "val/accuracy", ppo_learned, "greedy accuracy +5 points (last two)"),
-    Example("grpo_tiny_tools", "val/accuracy", tools_learned, "greedy accuracy +20 points (best), calculator tool",
+    Example("grpo_tiny_moe", "val/accuracy", best_up_20,
+            "greedy accuracy +20 points (best), MoE at EP=2 with routing replay, Megatron warm start",
+            ("mismatch/routing_disagreement", "mismatch/logprob_abs_diff_max", "moe/load_imbalance")),
+    Example("grpo_tiny_tools", "val/accuracy", best_up_20, "greedy accuracy +20 points (best), calculator tool",
             ("val/agent/tool_calls_per_trajectory", "val/agent/tool_errors", "agent/tool_calls_per_trajectory",
              "agent/tool_errors")),
     Example("grpo_tiny_code", "val/accuracy", ran, "runs: sandboxed unit-test reward, pass rate reported",

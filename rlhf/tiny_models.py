@@ -71,6 +71,12 @@ PRESETS: dict[str, TinyPreset] = {
     "tiny-qwen3-moe": TinyPreset("qwen3_moe", 128, 2, 4, 2, 256, 512, tie_embeddings=True, extra={
         "head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
         "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    # The MoE arithmetic example's policy: arith-qwen2's attention and width, 4 MoE layers of 4 routed experts
+    # (top-2, ffn 128) plus a gated shared expert (ffn 256): ~1.4M parameters, as many active per token as
+    # arith-qwen2's dense ffn of 512.
+    "arith-qwen2-moe": TinyPreset("qwen2_moe", 128, 4, 4, 2, 512, 512, tie_embeddings=True, extra={
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+        "shared_expert_intermediate_size": 256, "norm_topk_prob": False}),
     "small-qwen2": TinyPreset("qwen2", 512, 8, 8, 4, 1408, 8192, tie_embeddings=True, max_position_embeddings=1024),
     # ~100M parameters, for conversion and weight-sync benchmarks.
     "base-qwen2": TinyPreset("qwen2", 768, 12, 12, 4, 2048, 8192, tie_embeddings=False, max_position_embeddings=1024),

@@ -29,6 +29,7 @@ from workers.config import build
 from workers.megatron.optim_config import OptimSettings
 from workers.roles.loss_config import PPOLossConfig, ValueLossConfig
 from workers.roles.options import MegatronOptions
+from workers.roles.routes import POLICY_ROUTES_KEY, ROUTES_KEY
 
 
 def loss_config(cfg: RunConfig) -> PPOLossConfig:
@@ -49,6 +50,20 @@ def sampling_temperature(cfg: RunConfig) -> float:
     return cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
 
 
+def records_routes(cfg: RunConfig) -> bool:
+    """Whether the rollout engine records its MoE routing (`routed_experts`): for routing replay
+    (`policy.moe.routing_replay`), and for the routing mismatch of the steps that recompute the old
+    log-probs. Dense models and multi-turn rollouts (tools, an environment) record none."""
+    from rlhf.config.validate import model_shape
+
+    if cfg.rollout.tools or cfg.rollout.env:
+        return False
+    shape = model_shape(cfg.model.path, cfg.model.preset)
+    if shape is None or not shape.num_experts:
+        return False
+    return bool(cfg.policy.moe.routing_replay or cfg.algorithm.old_logprobs == "recompute")
+
+
 def role_group(role: str, rc: RoleConfig, cfg: RunConfig, run_dir: Path, worker_cls: type,
                optimizer_steps: int | None = None, pool=None, model_path: str | None = None, **init: Any):
     """The role's worker group; `model_path` (else the role's, else the run's model) is the HF folder it
@@ -67,17 +82,24 @@ def role_group(role: str, rc: RoleConfig, cfg: RunConfig, run_dir: Path, worker_
 
 
 class PolicyHandle:
-    """The policy (or reference) worker group; log-probs are taken at the rollout's `temperature`."""
+    """The policy (or reference) worker group; log-probs are taken at the rollout's `temperature`. With
+    `routes` (the policy of an MoE run whose engine records its routing) the rollout's `routed_experts` go
+    along (replayed with `policy.moe.routing_replay`) and the experts the policy used come back as
+    `policy_routed_experts`."""
 
-    def __init__(self, group: Any, temperature: float = 1.0) -> None:
-        self.group, self.temperature = group, temperature
+    def __init__(self, group: Any, temperature: float = 1.0, routes: bool = False) -> None:
+        self.group, self.temperature, self.routes = group, temperature, routes
 
     def logprobs(self, batch: Batch, key: str = "old_logprobs", entropy: bool = False) -> Batch:
-        out = self.group.compute_logprobs(batch.select(["input_ids", "attention_mask", "responses", "response_mask"]),
+        keys = ["input_ids", "attention_mask", "responses", "response_mask"]
+        routed = self.routes and ROUTES_KEY in batch
+        out = self.group.compute_logprobs(batch.select([*keys, ROUTES_KEY] if routed else keys),
                                           with_entropy=entropy, key=key, temperature=self.temperature)
         batch[key] = out[key]
         if entropy:
             batch["entropy"] = out["entropy"]
+        if routed and POLICY_ROUTES_KEY in out:
+            batch[POLICY_ROUTES_KEY] = out[POLICY_ROUTES_KEY]
         return batch
 
     def train(self, batch: Batch, loss: PPOLossConfig | dict[str, Any]) -> dict[str, float]:
@@ -183,7 +205,8 @@ class Roles:
         run_dir = Path(run_dir)
         reward = RewardHandle(cfg.reward)  # resolve before any worker starts
         temp = sampling_temperature(cfg)
-        policy = PolicyHandle(role_group("policy", cfg.policy, cfg, run_dir, PolicyWorker), temp)
+        routes = records_routes(cfg)
+        policy = PolicyHandle(role_group("policy", cfg.policy, cfg, run_dir, PolicyWorker), temp, routes=routes)
         handles: dict[str, Any] = {"policy": policy}
         try:
             if cfg.algorithm.kl_coef > 0 and cfg.reference.enabled:
@@ -199,7 +222,7 @@ class Roles:
             mode = "raw_logprobs" if temp == 1.0 else "processed_logprobs"
             r = cfg.rollout
             engine = build(EngineConfig, r, model_path=cfg.model.path, tokenizer_path=cfg.model.tokenizer_path,
-                           logprobs_mode=mode).validate()
+                           logprobs_mode=mode, return_routed_experts=routes).validate()
             group = RolloutGroup(engine, timeout_s=cfg.trainer.timeout_s, name="rollout", log_dir=run_dir / "logs")
             agent = build(AgentOptions, r) if r.tools or r.env else None
             handles["rollout"] = RolloutHandle(group, build(SamplingConfig, r).validate(),

@@ -40,6 +40,11 @@ def test_moe_layout_is_accepted():
     (["policy.moe.load_balancing_type=sinkhorn"], ["policy.moe.load_balancing_type", "aux_loss, seq_aux_loss, none"]),
     (["policy.moe.token_dispatcher=flex"], ["policy.moe.token_dispatcher", "auto, allgather, alltoall"]),
     (["policy.moe.aux_loss_coeff=-1"], ["policy.moe.aux_loss_coeff", ">= 0"]),
+    (["reference.moe.routing_replay=true", "algorithm.kl_coef=0.1"],
+     ["reference.moe.routing_replay", "only the policy"]),
+    (["policy.moe.routing_replay=true", "algorithm.name=sft"], ["policy.moe.routing_replay", "algorithm.name=sft"]),
+    (["policy.moe.routing_replay=true", "rollout.tools=[calculator]"],
+     ["policy.moe.routing_replay with rollout.tools", "multi-turn"]),
 ])
 def test_bad_moe_settings(overrides, words):
     msg = err([*MOE, *overrides])
@@ -49,6 +54,8 @@ def test_bad_moe_settings(overrides, words):
 def test_ep_on_a_dense_model():
     msg = err(["model.preset=tiny-qwen2", "policy.parallel.dp=2", "policy.parallel.ep=2"])
     assert "policy.parallel.ep=2" in msg and "needs an MoE model" in msg and "tiny-qwen2 is dense" in msg
+    msg = err(["model.preset=tiny-qwen2", "policy.moe.routing_replay=true"])
+    assert msg.startswith("policy.moe.routing_replay: routing replay needs an MoE model") and "dense" in msg
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")

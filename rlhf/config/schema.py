@@ -58,6 +58,9 @@ class ModelConfig:
     warm_start_steps: int = 0
     warm_start_lr: float = 1e-3
     warm_start_batch: int = 128
+    # hf: a transformers loop before any worker starts; megatron (RL): the same SFT on the Megatron engine at
+    # the policy's parallel layout (EP included), by a policy group that runs before the RL roles start
+    warm_start_backend: str = "hf"
 
 
 @dataclass

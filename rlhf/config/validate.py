@@ -126,7 +126,11 @@ def _check_experts(name: str, role: RoleConfig, shape: ModelShape) -> None:
     import torch
 
     par, src = role.parallel, shape.source
+    if role.moe.routing_replay and name != "policy":
+        raise ConfigError(f"{name}.moe.routing_replay: only the policy replays the rollout engine's routing")
     if not shape.num_experts:
+        if role.moe.routing_replay:
+            raise ConfigError(f"{name}.moe.routing_replay: routing replay needs an MoE model; {src} is dense")
         if par.ep > 1:
             raise ConfigError(f"{name}.parallel.ep={par.ep}: expert parallelism needs an MoE model; {src} is dense")
         return
@@ -204,6 +208,10 @@ def validate_config(cfg: RunConfig) -> None:
     _require(t.val_every >= 0, "trainer.val_every", "an integer >= 0", t.val_every)
     _check_eval(cfg)
     _check_tools(cfg)
+    _choice(cfg.model.warm_start_backend, "model.warm_start_backend", ("hf", "megatron"))
+    if cfg.model.warm_start_backend == "megatron" and a.name not in ("grpo", "ppo"):
+        raise ConfigError(f"model.warm_start_backend=megatron: the Megatron warm start runs before RL (grpo, ppo); "
+                          f"algorithm.name={a.name} uses the transformers one (hf)")
     check_wandb(t)
     _require(d.seq_length >= 1, "data.seq_length", "an integer >= 1", d.seq_length)
     shape = model_shape(cfg.model.path, cfg.model.preset)
@@ -214,6 +222,7 @@ def validate_config(cfg: RunConfig) -> None:
         roles += [n for n in ("reference", "critic", "reward_model") if getattr(cfg, n).enabled]
     for name in roles:
         _check_role(name, getattr(cfg, name), shape)
+    _check_routing_replay(cfg)
     if a.name in ("sft", "pretrain", "dpo"):
         _require(d.seq_length <= shape.max_positions, "data.seq_length",
                  f"at most the model's max_position_embeddings ({shape.max_positions})", d.seq_length)
@@ -279,6 +288,19 @@ def validate_config(cfg: RunConfig) -> None:
     _require(rw.num_workers >= 1, "reward.num_workers", "an integer >= 1 (processes of a module:function reward)",
              rw.num_workers)
     _check_rl_batches(cfg)
+
+
+def _check_routing_replay(cfg: RunConfig) -> None:
+    """`policy.moe.routing_replay` replays what single-turn RL rollouts recorded."""
+    if not cfg.policy.moe.routing_replay:
+        return
+    if cfg.algorithm.name not in ("grpo", "ppo"):
+        raise ConfigError(f"policy.moe.routing_replay: replays the routing of rollouts, and algorithm.name="
+                          f"{cfg.algorithm.name} has none (grpo or ppo)")
+    if cfg.rollout.tools or cfg.rollout.env:
+        which = "rollout.tools" if cfg.rollout.tools else "rollout.env"
+        raise ConfigError(f"policy.moe.routing_replay with {which}: the engine records no routing for multi-turn "
+                          "trajectories (their tool and observation turns are not its generations)")
 
 
 def _check_tools(cfg: RunConfig) -> None:

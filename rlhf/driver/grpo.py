@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from algorithms.mismatch import logprob_mismatch
+from algorithms.mismatch import logprob_mismatch, routing_disagreement, routing_disagreement_metrics
 from rlhf.driver.advantages import add_advantages
 from rlhf.driver.context import StepContext, rollout_metrics
 from rlhf.workflow import Roles, loss_config
 from workers.batch import Batch
+from workers.roles.routes import POLICY_ROUTES_KEY, ROUTES_KEY
 
 
 def informative_groups(batch: Batch) -> Batch:
@@ -64,10 +65,17 @@ def add_logprobs(roles: Roles, batch: Batch, ctx: StepContext) -> Batch:
 
 def mismatch_metrics(batch: Batch) -> dict[str, float]:
     """`mismatch/*`: the engine's sampled-token logprobs against the policy's recomputed old logprobs of the
-    same weights, over the response tokens (algorithms/mismatch.py); empty when either is missing."""
+    same weights, over the response tokens (algorithms/mismatch.py); empty when either is missing. MoE
+    models whose engine recorded its routing: also `mismatch/routing_disagreement*`, per layer the fraction
+    of tokens (prompt and response) whose top-k experts differ between the engine and the policy's forward
+    (0 with routing replay); the policy's routes are dropped from the batch afterwards."""
     if "rollout_logprobs" not in batch or "old_logprobs" not in batch:
         return {}
     out = logprob_mismatch(batch["rollout_logprobs"], batch["old_logprobs"], batch["response_mask"])
+    if ROUTES_KEY in batch and POLICY_ROUTES_KEY in batch:
+        policy_routes = batch.tensors.pop(POLICY_ROUTES_KEY)
+        out |= routing_disagreement_metrics(*routing_disagreement(batch[ROUTES_KEY], policy_routes,
+                                                                  batch["attention_mask"]))
     return {f"mismatch/{k}": v for k, v in out.items()}
 
 

@@ -4,7 +4,8 @@
   dir (RL prompts, SFT conversations; for arithmetic also DPO pairs, pretraining text and its Megatron
   indexed form).
 - `model.preset` with no `model.path`: the tiny model is created under the run dir, then warm-started with a
-  short plain SFT when `model.warm_start_steps > 0` (RL and DPO): on the task's Q/A pairs, or on its SFT
+  short plain SFT when `model.warm_start_steps > 0` (RL and DPO; with `model.warm_start_backend: megatron`
+  the RL runner does it on the policy's backend once Ray is up): on the task's Q/A pairs, or on its SFT
   conversations (multiply_tool: calculator-call traces with their results; code_functions: reference
   solutions).
 Everything generated is reused when it already exists, so a resumed run starts from the same files.
@@ -89,6 +90,10 @@ def _model(cfg: RunConfig, out: Path) -> None:
         shutil.rmtree(base, ignore_errors=True)
         create_tiny_model(m.preset, base, seed=cfg.trainer.seed)
     m.path = str(base)
+    if m.warm_start_steps > 0 and m.warm_start_backend == "megatron" and cfg.algorithm.name in ("grpo", "ppo"):
+        if not cfg.data.task:
+            raise ConfigError("model.warm_start_steps needs data.task (the task's Q/A pairs to fine-tune on)")
+        return  # run_rl trains it once Ray is up (rlhf.driver.warmstart_megatron)
     if m.warm_start_steps > 0 and cfg.algorithm.name in ("grpo", "ppo", "dpo"):
         warm = out / "model" / f"warm_start_{m.warm_start_steps}"
         if not (warm / "model.safetensors").is_file():
@@ -96,7 +101,7 @@ def _model(cfg: RunConfig, out: Path) -> None:
                 raise ConfigError("model.warm_start_steps needs data.task (the task's Q/A pairs to fine-tune on)")
             from rlhf.driver.warmstart import sft_warm_start
 
-            pairs = _warm_start_items(cfg, out)
+            pairs = warm_start_items(cfg, out)
             shutil.rmtree(warm, ignore_errors=True)
             tmp = warm.with_name(warm.name + ".tmp")
             sft_warm_start(base, pairs, tmp, steps=m.warm_start_steps, batch_size=m.warm_start_batch,
@@ -105,7 +110,14 @@ def _model(cfg: RunConfig, out: Path) -> None:
         m.path = str(warm)
 
 
-def _warm_start_items(cfg: RunConfig, out: Path) -> list:
+def megatron_warm_start_due(cfg: RunConfig, out: Path) -> bool:
+    """Whether the RL runner warm-starts the tiny preset model on the Megatron backend (see `_model`)."""
+    m = cfg.model
+    return (m.warm_start_steps > 0 and m.warm_start_backend == "megatron" and cfg.algorithm.name in ("grpo", "ppo")
+            and m.preset is not None and Path(m.path or "") == out / "model" / "init")
+
+
+def warm_start_items(cfg: RunConfig, out: Path) -> list:
     """What the warm start trains on: the RL train file's (prompt, answer) pairs, or the conversations of the
     task's SFT train file (multi-turn tool-call traces; code tasks, whose RL answer is the hidden tests)."""
     from rlhf.data.prompts import load_prompt_dataset

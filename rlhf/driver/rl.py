@@ -85,7 +85,7 @@ def default_step_fn(cfg: RunConfig) -> StepFn:
 def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
     """Train with `step_fn` (GRPO or PPO by default) and return the last metrics row."""
     from rlhf.data.prompts import PromptLoader
-    from rlhf.driver.prepare import load_rl_prompts
+    from rlhf.driver.prepare import load_rl_prompts, megatron_warm_start_due, warm_start_items
 
     step_fn = step_fn or default_step_fn(cfg)
     t, d, a = cfg.trainer, cfg.data, cfg.algorithm
@@ -96,6 +96,10 @@ def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
     last: dict[str, float] = {}
     with RunScaffold(cfg) as run:
         torch.manual_seed(t.seed)
+        if megatron_warm_start_due(cfg, run.out):
+            from rlhf.driver.warmstart_megatron import megatron_warm_start
+
+            cfg.model.path = str(megatron_warm_start(cfg, run.out, warm_start_items(cfg, run.out)))
         roles = run.own(Roles.create(cfg, run.out))
         start = skipped_in_a_row = 0
         resume_from = run.resume_point()

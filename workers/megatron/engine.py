@@ -13,7 +13,9 @@ megatron parallel_state are up (`workers.megatron.parallel.init_distributed`). W
   the model loads at any TP/PP/DP, the distributed optimizer state at another DP (`dp_reshardable`);
 - `offload()` / `onload()`: parameters to CPU and back between uses (GPU only; no-ops on CPU).
 - MoE models: the role's `MoEConfig` (router losses, dispatcher) as TransformerConfig overrides, and
-  after a training pass `moe_metrics()` (router losses and expert load, `workers.megatron.moe_metrics`).
+  after a training pass `moe_metrics()` (router losses and expert load, `workers.megatron.moe_metrics`);
+  routing replay (`workers.megatron.routing_replay`): a micro-batch's `routes` are the experts its
+  tokens use, and `forward_backward(record_routes=True)` keeps the experts every token used.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from workers.dtypes import as_dtype
 from workers.megatron import rope_positions
 from workers.megatron.ckpt_manifest import check_checkpoint, write_manifest
 from workers.megatron.cpu_compat import cuda_absent
-from workers.megatron.ep_align import Aligned, align_micros
+from workers.megatron.ep_align import Aligned, align_micros, round_columns
 from workers.megatron.hf_weights import HFTensorSource
 from workers.megatron.masks import follow_mask
 from workers.megatron.micro_batch import Micro
@@ -78,8 +80,11 @@ class MegatronEngine:
             # micro-batches may differ in size and length (the MoE-only dispatcher check needs alltoall)
             overrides.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
         self.moe = build(MoEConfig, moe) if family_of(self.hf_config).moe else None
+        self.tp = ps.get_tensor_model_parallel_world_size()
         if self.moe is not None:
             overrides.update(self.moe.transformer_overrides(pp))
+            if self.tp > 1:  # megatron trains MoE layers at TP > 1 only with sequence parallelism
+                overrides.update(sequence_parallel=True)
         model = build_gpt_model(self.hf_config, dtype=self.dtype, value_head=value_head, **overrides)
         model.to(self.device)
         if load_weights:
@@ -88,6 +93,15 @@ class MegatronEngine:
         self.config = model.config
         self.supports_explicit_positions = rope_positions.install(model)
         self.expert_parallel = self.moe is not None and ps.get_expert_model_parallel_world_size() > 1
+        self.routing = None
+        if self.moe is not None:
+            from workers.megatron import routing_replay
+
+            if recompute and pp > 1 and self.moe.routing_replay:
+                raise ValueError("routing replay with activation recompute and pipeline parallelism: the "
+                                 "1F1B schedule recomputes a micro-batch after later ones were set; use one")
+            self.routing = routing_replay.install(model, self.config, self.device)
+        self.recorded_routes: list[torch.Tensor] = []
         self.expert_load = None
         if self.moe is not None and trainable:
             from workers.megatron.moe_metrics import ExpertLoad
@@ -179,12 +193,17 @@ class MegatronEngine:
         micro_batches: list[Micro],
         loss_fn: Callable[[Micro, torch.Tensor], tuple[torch.Tensor, Any]],
         forward_only: bool,
+        record_routes: bool = False,
     ) -> list[Any]:
         """Run the pipeline schedule; returns the `data` of `loss_fn` per micro-batch on the last stage
         ([] on other stages). Gradients accumulate over the micro-batches; the schedule divides each
         returned loss by the number of micro-batches (scale it back up if the loss is already a sum).
         With expert parallelism the ranks of an EP group run aligned micro-batches (`ep_align`); the
-        results, gradients and router losses are those of this rank's own micro-batches."""
+        results, gradients and router losses are those of this rank's own micro-batches.
+
+        MoE models: a micro-batch's `routes` are replayed; with `record_routes`, `recorded_routes` holds
+        afterwards the experts every token of each micro-batch used ([b, s, L, k] int16, every layer's,
+        gathered over the pipeline stages; on every rank)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         runs = self._aligned(micro_batches)
@@ -199,10 +218,15 @@ class MegatronEngine:
                                    "use pack_sequences=True instead of 'prefix'")
             follow_mask(model, mb.attention_mask)
             extra = {} if run.padding is None else {"padding_mask": run.padding}
+            if self.routing is not None:
+                self.routing.set(mb.routes)
             with rope_positions.explicit_positions(mb.position_ids if mb.explicit_positions else None), \
-                    self._router_losses_off(run.filler):
+                    self._router_losses(run):
                 out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask,
                             **extra)
+            if record_routes and self.routing is not None and not run.filler:
+                b, s = mb.input_ids.shape[:2]
+                recorded.append(self.routing.recorded(b, s)[: run.rows, : run.cols])
             if run.filler:
                 return out, lambda output: (output.sum() * 0.0, None)
             if run.padding is None:
@@ -214,6 +238,7 @@ class MegatronEngine:
         if self.expert_load is not None and not forward_only:
             self.expert_load.reset()
         real = len(micro_batches)
+        recorded: list[torch.Tensor] = []
         grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
         with grad_ctx, self._grads_scaled(len(runs) / max(real, 1)):
             out = get_forward_backward_func()(
@@ -225,15 +250,38 @@ class MegatronEngine:
                 micro_batch_size=max(r.micro.input_ids.shape[0] for r in runs),
                 forward_only=forward_only,
             )
+        if self.routing is not None:
+            self.routing.clear()
+            self.recorded_routes = self._gather_stages(recorded) if record_routes else []
         return list(out)[:real] if self.is_last_stage else []
 
-    def _aligned(self, micro_batches: list[Micro]) -> list[Aligned]:
-        """The micro-batches as this rank runs them: as they are, or aligned with the EP group's."""
-        if not self.expert_parallel:
-            return [Aligned(m, *m.input_ids.shape[:2]) for m in micro_batches]
+    def _gather_stages(self, recorded: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every layer's routes on every stage: each stage holds -1 outside its own layers (MAX over PP)."""
         from megatron.core import parallel_state as ps
 
-        return align_micros(micro_batches, ps.get_expert_model_parallel_group(), self.device)
+        if ps.get_pipeline_model_parallel_world_size() == 1 or not recorded:
+            return recorded
+        flat = torch.cat([r.flatten() for r in recorded]).to(self.device, torch.int32)
+        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX,
+                                     group=ps.get_pipeline_model_parallel_group())
+        out, o = [], 0
+        for r in recorded:
+            out.append(flat[o:o + r.numel()].view(r.shape).to("cpu", torch.int16))
+            o += r.numel()
+        return out
+
+    def _aligned(self, micro_batches: list[Micro]) -> list[Aligned]:
+        """The micro-batches as this rank runs them: as they are, or aligned with the EP group's; with sequence
+        parallelism (MoE at TP > 1) their columns padded to a multiple of TP."""
+        if not self.expert_parallel:
+            runs = [Aligned(m, *m.input_ids.shape[:2]) for m in micro_batches]
+        else:
+            from megatron.core import parallel_state as ps
+
+            runs = align_micros(micro_batches, ps.get_expert_model_parallel_group(), self.device)
+        if self.config.sequence_parallel:
+            runs = [round_columns(r, self.tp) for r in runs]
+        return runs
 
     @contextlib.contextmanager
     def _grads_scaled(self, factor: float) -> Iterator[None]:
@@ -250,16 +298,28 @@ class MegatronEngine:
             self.config.grad_scale_func = inner
 
     @contextlib.contextmanager
-    def _router_losses_off(self, off: bool) -> Iterator[None]:
-        """No router losses and no expert-load counts while `off` (EP filler micro-batches)."""
-        if not off:
-            yield
-            return
+    def _router_losses(self, run: Aligned) -> Iterator[None]:
+        """The router losses of one micro-batch's forward: none, and no expert-load counts, for an EP filler;
+        under sequence parallelism with padding, the z-loss coefficient of this TP rank weighted by its share
+        of the real tokens. megatron-core 0.16.1 averages the z-loss over each TP rank's slice of the sequence
+        (coefficient / TP each), which weights the tokens unequally when padding leaves the slices with
+        different numbers of real tokens; coefficient x TP x (this slice's real tokens / the micro-batch's)
+        makes the sum over the ranks the micro-batch's mean, as without TP."""
         c = self.config
         saved = c.moe_aux_loss_coeff, c.moe_z_loss_coeff
-        c.moe_aux_loss_coeff, c.moe_z_loss_coeff = 0.0, None
-        if self.expert_load is not None:
-            self.expert_load.paused = True
+        if run.filler:
+            c.moe_aux_loss_coeff, c.moe_z_loss_coeff = 0.0, None
+            if self.expert_load is not None:
+                self.expert_load.paused = True
+        elif c.moe_z_loss_coeff and c.sequence_parallel and run.padding is not None:
+            from megatron.core import parallel_state as ps
+
+            real = ~run.padding.transpose(0, 1)  # [s, b], the sequence split over the TP ranks
+            chunk = real.shape[0] // self.tp
+            mine = real[ps.get_tensor_model_parallel_rank() * chunk:][:chunk]
+            # a slice of padding only has a z-loss of 0 at any coefficient (not 0: megatron divides by it)
+            share = max(float(mine.sum()), 1.0) / max(float(real.sum()), 1.0)
+            c.moe_z_loss_coeff = c.moe_z_loss_coeff * self.tp * share
         try:
             yield
         finally:

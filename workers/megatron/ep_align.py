@@ -7,7 +7,8 @@ micro-batches (their own rows, trimmed to their own columns; packing makes their
 padded to the group's largest i-th [rows, columns]. Padding tokens are masked from attention (each sees
 only itself) and from the router losses (`padding`, megatron's MoE `padding_mask`); the extra
 micro-batches (`filler`) are run with no loss and no router losses (`MegatronEngine` handles both), so
-the gradients and metrics are those of the real micro-batches.
+the gradients and metrics are those of the real micro-batches. Routing-replay routes are padded with -1
+(the router's own choice) and filler micro-batches replay nothing.
 """
 
 from __future__ import annotations
@@ -72,5 +73,28 @@ def _pad(m: Micro, b: int, s: int) -> Aligned:
     mask[:, :, idx[s0:], idx[s0:]] = False  # a padding column sees itself (no fully masked row)
     if rows > mb:
         mask[mb:, :, idx, idx] = False
-    micro = Micro(ids, pos, mask, m.fields, offset=m.offset, explicit_positions=m.explicit_positions)
+    routes = None
+    if m.routes is not None:
+        routes = m.routes.new_full((b, s, *m.routes.shape[2:]), -1)
+        routes[:b0, :s0] = m.routes
+    micro = Micro(ids, pos, mask, m.fields, offset=m.offset, explicit_positions=m.explicit_positions, routes=routes)
     return Aligned(micro, b0, s0, padding)
+
+
+def round_columns(run: Aligned, multiple: int) -> Aligned:
+    """`run` with its columns padded up to a multiple of `multiple` (sequence parallelism splits the sequence
+    over the TP ranks); the added columns are padding like EP alignment's."""
+    m = run.micro
+    b, s = m.input_ids.shape[:2]
+    if s % multiple == 0:
+        return run
+    width = -(-s // multiple) * multiple
+    if run.filler:
+        ids = m.input_ids.new_zeros(b, width)
+        pos = torch.arange(width, device=ids.device).expand(b, width)
+        filler = Micro(ids, pos, causal_mask(width, device=ids.device)[None, None], {})
+        return Aligned(filler, b, width, filler=True)
+    out = _pad(m, b, width)
+    if run.padding is not None:
+        out.padding[:, :s] |= run.padding
+    return Aligned(out.micro, run.rows, run.cols, out.padding)

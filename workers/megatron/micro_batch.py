@@ -17,3 +17,5 @@ class Micro:
     fields: dict[str, torch.Tensor]  # per-sample tensors the loss needs (any width)
     offset: int = 0  # columns trimmed from the left of the original block
     explicit_positions: bool = False  # RoPE at `position_ids` (rows that are not one contiguous sequence)
+    # MoE routing replay: the experts to use per token [b, s, layers, top-k] (-1: the router's own choice)
+    routes: torch.Tensor | None = None

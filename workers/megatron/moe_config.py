@@ -34,6 +34,7 @@ class MoEConfig:
     load_balancing_type: str = "aux_loss"  # aux_loss | seq_aux_loss | none
     z_loss_coeff: float = 0.0
     token_dispatcher: str = "auto"  # auto | allgather | alltoall
+    routing_replay: bool = False  # the policy: replay the rollout engine's experts in its forwards (R3)
 
     def dispatcher(self, pp: int) -> str:
         """The dispatcher megatron builds at pipeline size `pp` (`auto` resolved for this machine)."""

@@ -6,8 +6,8 @@
   balanced router gives 1 (its minimum).
 - `moe/load_imbalance`: per MoE layer, the most tokens routed to one expert over the mean per expert,
   counted over the whole step (all micro-batches and data-parallel ranks, padding tokens included), then
-  averaged over the layers; `moe/load_imbalance_max`: the worst layer. 1 = perfectly balanced, at most
-  num_experts / top-k (every token on the same k experts).
+  averaged over the layers; `moe/load_imbalance_max`: the worst layer; `moe/load_imbalance/layer{i}`: layer
+  i's (0-based). 1 = perfectly balanced, at most num_experts / top-k (every token on the same k experts).
 """
 
 from __future__ import annotations
@@ -73,9 +73,14 @@ class ExpertLoad:
         dp = ps.get_data_parallel_world_size()
         if dp > 1:
             torch.distributed.all_reduce(flat, group=ps.get_data_parallel_group())
-        if self.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1:
-            counts_part = flat[n * self.counts.shape[0]:]  # each TP rank routed its own share of the tokens
-            torch.distributed.all_reduce(counts_part, group=ps.get_tensor_model_parallel_group())
+        tp = ps.get_tensor_model_parallel_world_size()
+        if self.sequence_parallel and tp > 1:
+            # each TP rank routed its own slice of the sequence: its token counts and load-balancing losses are
+            # shares of the micro-batch's (megatron's aux losses are partial sums), its z-loss a mean over its slice
+            torch.distributed.all_reduce(flat, group=ps.get_tensor_model_parallel_group())
+            for i, tracked in enumerate(losses.values()):
+                if tracked == "z_loss":
+                    flat[i * self.counts.shape[0]:(i + 1) * self.counts.shape[0]] /= tp
         if ps.get_pipeline_model_parallel_world_size() > 1:  # each stage holds its own layers' rows
             torch.distributed.all_reduce(flat, group=ps.get_pipeline_model_parallel_group())
         flat = flat.cpu()
@@ -88,4 +93,5 @@ class ExpertLoad:
             imbalance = counts.max(1).values / mean
             out["moe/load_imbalance"] = float(imbalance.mean())
             out["moe/load_imbalance_max"] = float(imbalance.max())
+            out |= {f"moe/load_imbalance/layer{i}": float(v) for i, v in zip(layers, imbalance.tolist())}
         return out

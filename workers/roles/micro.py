@@ -15,6 +15,11 @@ depends only on relative positions, so the results equal the padded ones up to f
 model output is gathered back to [b, R, ...] by `response_slice`. Prefix sharing (`pack="prefix"`, the
 roles' default where the model's RoPE takes explicit positions): the samples of one prompt share one copy
 of it in a packed row (`prefix_shared_micros`).
+
+MoE routing (`token_map=True`): each micro-batch also carries `_token_of` [its samples, P+R], where each
+real token of a sample sits in the micro-batch's flattened [b * s] token block (-1: padding), so per-token
+routes move between the batch's layout and the micro-batch's (`workers.roles.routes`); a batch's
+`routed_experts` (when among `keys`) become the micro-batch's `routes`, the experts to replay.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from workers.batch import Batch
 from workers.megatron.engine import Micro
 from workers.megatron.masks import causal_mask
 from workers.roles.base import MegatronWorker
+from workers.roles.routes import POLICY_ROUTES_KEY, ROUTES_KEY, attach_routes, batch_routes
 
 
 def attention_mask_4d(attn: torch.Tensor) -> torch.Tensor:
@@ -53,7 +59,7 @@ def make_micro(ids: torch.Tensor, attn: torch.Tensor, fields: dict[str, torch.Te
 
 
 def response_micros(batch: Batch, micro_batch_size: int, keys: list[str], device: torch.device,
-                    pack: bool | str = False) -> list[Micro]:
+                    pack: bool | str = False, token_map: bool = False) -> list[Micro]:
     """Micro-batches of an RL batch; `fields` carry `keys` (e.g. responses, advantages). Fields whose
     name starts with '_' are bookkeeping for `response_slice` / `restore_order`.
 
@@ -61,19 +67,32 @@ def response_micros(batch: Batch, micro_batch_size: int, keys: list[str], device
     packed first-fit-decreasing into rows no longer than the longest sequence, and
     `micro_batch_size` such rows form a micro-batch (so a micro-batch holds at least as many
     sequences, with far less padding); the samples' order changes, `_index` records it. `pack="prefix"`:
-    the samples that share a prompt (GRPO's n samples) share ONE copy of it (`prefix_shared_micros`)."""
+    the samples that share a prompt (GRPO's n samples) share ONE copy of it (`prefix_shared_micros`).
+    `token_map`: see the module docstring (routing replay and recording)."""
     r = batch["responses"].shape[1]
     p = batch["input_ids"].shape[1] - r
+    plain = [k for k in keys if k != ROUTES_KEY]
     if pack == "prefix":
-        return prefix_shared_micros(batch, p, max(1, micro_batch_size), keys, device)
-    if pack:
-        return packed_micros(batch, p, max(1, micro_batch_size), keys, device)
-    out = []
-    for chunk in batch.chunks(max(1, micro_batch_size)):
-        fields = {k: chunk[k] for k in keys if k in chunk}
-        micro = make_micro(chunk["input_ids"], chunk["attention_mask"], fields, device, min_cols=p)
-        micro.fields["_resp_col"] = torch.tensor(p - 1 - micro.offset)
-        out.append(micro)
+        out = prefix_shared_micros(batch, p, max(1, micro_batch_size), plain, device)
+    elif pack:
+        out = packed_micros(batch, p, max(1, micro_batch_size), plain, device)
+    else:
+        out = []
+        for chunk in batch.chunks(max(1, micro_batch_size)):
+            fields = {k: chunk[k] for k in plain if k in chunk}
+            micro = make_micro(chunk["input_ids"], chunk["attention_mask"], fields, device, min_cols=p)
+            micro.fields["_resp_col"] = torch.tensor(p - 1 - micro.offset)
+            s = micro.input_ids.shape[1]
+            cols = torch.arange(batch["input_ids"].shape[1]) - micro.offset
+            rows = torch.arange(len(chunk))[:, None] * s
+            inside = (cols >= 0) & (cols < s) & chunk["attention_mask"].bool()
+            micro.fields["_token_of"] = torch.where(inside, rows + cols, -1)
+            out.append(micro)
+    if ROUTES_KEY in keys and ROUTES_KEY in batch:
+        attach_routes(out, batch[ROUTES_KEY])
+    if not token_map and ROUTES_KEY not in keys:
+        for m in out:
+            m.fields.pop("_token_of", None)
     return out
 
 
@@ -117,6 +136,8 @@ def packed_micros(batch: Batch, p: int, rows_per_micro: int, keys: list[str], de
         seg = torch.full((len(rows), w), -1, dtype=torch.long)
         pos = torch.zeros(len(rows), w, dtype=torch.long)
         start = {}
+        token_of = torch.full((len(members), ids.shape[1]), -1, dtype=torch.long)
+        k_of = {i: k for k, i in enumerate(members)}
         for r, row in enumerate(rows):
             o = 0
             for i in row:
@@ -125,6 +146,7 @@ def packed_micros(batch: Batch, p: int, rows_per_micro: int, keys: list[str], de
                 seg[r, o:o + n] = i
                 pos[r, o:o + n] = torch.arange(n)
                 start[i] = r * w + o
+                token_of[k_of[i], lo[i]:hi[i]] = torch.arange(r * w + o, r * w + o + n)
                 o += n
         causal = causal_mask(w)
         mask = (causal[None] | (seg[:, :, None] != seg[:, None, :])).unsqueeze(1)  # [rows, 1, w, w]
@@ -136,7 +158,8 @@ def packed_micros(batch: Batch, p: int, rows_per_micro: int, keys: list[str], de
         gather = m_start[:, None] + (p - 1 - m_lo)[:, None] + j[None, :]  # [b, R_eff] into the flat output
         gather = torch.where(j[None, :] < (m_hi - p)[:, None], gather, m_start[:, None])  # padding: a real slot
         fields = {k: batch[k][m_idx].to(device) for k in keys if k in batch}
-        fields |= {"_gather": gather.to(device), "_index": m_idx}
+        token_of = torch.where(batch["attention_mask"][m_idx].bool(), token_of, -1)
+        fields |= {"_gather": gather.to(device), "_index": m_idx, "_token_of": token_of}
         micros.append(Micro(tokens.to(device), pos.to(device), mask.to(device), fields))
     return micros
 
@@ -177,7 +200,7 @@ def prefix_shared_micros(batch: Batch, p: int, rows_per_micro: int, keys: list[s
         grp = torch.full((len(rows), w), -1, dtype=torch.long)  # group of the token, -1: padding
         own = torch.full((len(rows), w), -1, dtype=torch.long)  # sample of a response token, -1: prompt/pad
         pos = torch.zeros(len(rows), w, dtype=torch.long)
-        members, first, start = [], [], []
+        members, first, start, token_rows = [], [], [], []
         for r, row in enumerate(rows):
             o = 0
             for k in row:
@@ -186,6 +209,7 @@ def prefix_shared_micros(batch: Batch, p: int, rows_per_micro: int, keys: list[s
                 grp[r, o:o + m] = k
                 pos[r, o:o + m] = torch.arange(m)
                 prompt_end = o + m
+                prompt_tokens = torch.arange(r * w + o, r * w + prompt_end)
                 o += m
                 for i in groups[k]:
                     n = rlen[i]
@@ -196,6 +220,10 @@ def prefix_shared_micros(batch: Batch, p: int, rows_per_micro: int, keys: list[s
                     members.append(i)
                     first.append(r * w + prompt_end - 1)  # the logit that predicts response token 0
                     start.append(r * w + o)
+                    t = torch.full((ids.shape[1],), -1, dtype=torch.long)
+                    t[p - m:p] = prompt_tokens  # the shared copy of the prompt
+                    t[p:p + n] = torch.arange(r * w + o, r * w + o + n)
+                    token_rows.append(t)
                     o += n
             pos[r, o:] = torch.arange(w - o)
         same_group = grp[:, :, None] == grp[:, None, :]  # padding pairs count as one group (no empty rows)
@@ -210,7 +238,8 @@ def prefix_shared_micros(batch: Batch, p: int, rows_per_micro: int, keys: list[s
         gather = torch.where(j[None, :] == 0, first_t[:, None], start_t[:, None] + j[None, :] - 1)
         gather = torch.where(j[None, :] < n_resp[:, None], gather, first_t[:, None])  # padding: a real slot
         fields = {key: batch[key][m_idx].to(device) for key in keys if key in batch}
-        fields |= {"_gather": gather.to(device), "_index": m_idx}
+        token_of = torch.where(batch["attention_mask"][m_idx].bool(), torch.stack(token_rows), -1)
+        fields |= {"_gather": gather.to(device), "_index": m_idx, "_token_of": token_of}
         micros.append(Micro(tokens.to(device), pos.to(device), mask.to(device), fields, explicit_positions=True))
     return micros
 
@@ -276,11 +305,15 @@ def forward_responses(worker: MegatronWorker, batch: Batch, micro_batch_size: in
                       outputs: Callable[[torch.Tensor, Micro], dict[str, torch.Tensor]]) -> Batch:
     """A forward pass over the batch's responses: `outputs(out, micro)` maps the model's output at a
     micro-batch's response positions ([b, r, ...]) to per-token tensors [b, r]; returns them [B, R] in
-    the batch's order, 0 at padding."""
+    the batch's order, 0 at padding. MoE models, when the batch has the rollout's `routed_experts`: they
+    are replayed when the role's `moe.routing_replay` is on, and the experts every token used come back as
+    `policy_routed_experts` (same layout, `workers.roles.routes`)."""
     eng = worker.engine
     r = batch["responses"].shape[1]
-    micros = response_micros(batch, micro_batch_size or worker.micro_batch_size, ["responses"], eng.device,
-                             pack=worker.pack_sequences)
+    routed = eng.routing is not None and ROUTES_KEY in batch
+    keys = ["responses", ROUTES_KEY] if routed and eng.moe.routing_replay else ["responses"]
+    micros = response_micros(batch, micro_batch_size or worker.micro_batch_size, keys, eng.device,
+                             pack=worker.pack_sequences, token_map=routed)
 
     def loss_fn(mb: Micro, out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         sl, _ = response_slice(mb, out)
@@ -290,11 +323,13 @@ def forward_responses(worker: MegatronWorker, batch: Batch, micro_batch_size: in
         return torch.zeros((), device=out.device), data
 
     with worker.onloaded():
-        outs = eng.forward_backward(micros, loss_fn, forward_only=True)
+        outs = eng.forward_backward(micros, loss_fn, forward_only=True, record_routes=routed)
     if not outs:
         return Batch()
     tensors = {k: join_outputs(outs, k) for k in outs[0] if k != "_index"}
     if "response_mask" in batch:
         mask = batch["response_mask"].to(torch.float32)
         tensors = {k: v * mask for k, v in tensors.items()}
+    if routed:
+        tensors[POLICY_ROUTES_KEY] = batch_routes(micros, eng.recorded_routes, len(batch), batch["input_ids"].shape[1])
     return Batch(tensors)

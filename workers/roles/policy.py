@@ -24,6 +24,7 @@ from workers.roles.loss_config import PPOLossConfig
 from workers.roles.micro import forward_responses
 from workers.roles.optimize import Metrics, optimize_responses
 from workers.roles.preference import PreferenceMixin
+from workers.roles.routes import ROUTES_KEY
 from workers.roles.weights import put_buckets
 from workers.rollout.policy_mixin import RolloutSyncMixin
 
@@ -57,7 +58,8 @@ class PolicyWorker(RolloutSyncMixin, LogprobMixin, LMMixin, PreferenceMixin, Meg
                    micro_batch_size: int | None = None, temperature: float = 1.0) -> dict[str, float]:
         """PPO: `ppo_epochs` x `mini_batches` optimizer steps on the batch, log-probs taken at the rollout's
         `temperature`; returns metrics averaged over the steps (policy loss, clipfrac, approx_kl, entropy,
-        kl, grad_norm, lr, skipped_steps, ...)."""
+        kl, grad_norm, lr, skipped_steps, ...). MoE models with `moe.routing_replay`: every token uses the
+        experts of the batch's `routed_experts` (the rollout's) where it has them."""
         cfg = build(PPOLossConfig, loss_config)
         agg, vocab = cfg.loss_agg_mode, self.engine.vocab_size
         use_kl = cfg.kl_coef > 0 and "ref_logprobs" in batch
@@ -86,6 +88,8 @@ class PolicyWorker(RolloutSyncMixin, LogprobMixin, LMMixin, PreferenceMixin, Meg
             return loss
 
         keys = ["advantages", "old_logprobs", "ref_logprobs"]
+        if self.engine.moe is not None and self.engine.moe.routing_replay:
+            keys.append(ROUTES_KEY)  # R3: the update routes each token to the rollout's experts
         out = optimize_responses(self, batch, cfg, keys, loss_fn, micro_batch_size)
         out["cpu_s"] = time.process_time() - c0  # this rank's CPU time (all its threads)
         return out

@@ -61,6 +61,10 @@ class EngineConfig(EngineOptions):
     gpu_memory_utilization: float = 0.4
     enable_sleep_mode: bool = False  # GPU colocated with training: free weights / KV during training
     enforce_eager: bool | None = None  # None: eager on CPU, CUDA graphs on GPU
+    # MoE models: return the experts each token was routed to (`routed_experts` in the generate Batch), for
+    # routing replay and the routing mismatch (workers/rollout/route_capture.py). Prefix caching is off then:
+    # a cached prompt token is not run, so it would have no routes.
+    return_routed_experts: bool = False
     work_dir: str | None = None  # TMPDIR / VLLM_CACHE_ROOT for the engine (None: a fresh temp folder)
     extra: dict[str, Any] = field(default_factory=dict)  # passed to vllm.LLM as is
 
@@ -142,7 +146,7 @@ def llm_kwargs(cfg: EngineConfig) -> dict[str, Any]:
         tensor_parallel_size=cfg.tp,
         max_num_seqs=cfg.max_num_seqs,
         kv_cache_memory_bytes=int(cfg.kv_cache_gb * (1 << 30)),
-        enable_prefix_caching=cfg.enable_prefix_caching,
+        enable_prefix_caching=cfg.enable_prefix_caching and not cfg.return_routed_experts,
         logprobs_mode=cfg.logprobs_mode,
         enforce_eager=(not on_gpu) if cfg.enforce_eager is None else cfg.enforce_eager,
     )

@@ -121,20 +121,24 @@ def build_output(prompts: Prompts, outputs: Sequence[Sequence[Any]], n: int, pad
             input_ids[row, width_p:width_p + len(r)] = torch.tensor(r)
             attn[row, width_p:width_p + len(r)] = 1
             logprobs[row, :len(r)] = torch.tensor(resp_lp[row], dtype=torch.float32)
+    routes = _routes(prompts, outputs, n, width_p + width_r)
     response_mask = attn[:, width_p:].clone()
     for row, mask in enumerate(masks):
         if mask is not None:
             response_mask[row, :len(mask)] = torch.tensor(mask, dtype=torch.long)
     repeat = [i // n for i in range(rows)]
     base = prompts.source.index(repeat)
+    tensors = {
+        "input_ids": input_ids,
+        "attention_mask": attn,
+        "responses": input_ids[:, width_p:].clone(),
+        "response_mask": response_mask,
+        "rollout_logprobs": logprobs,
+    }
+    if routes is not None:
+        tensors["routed_experts"] = routes
     out = Batch(
-        tensors={
-            "input_ids": input_ids,
-            "attention_mask": attn,
-            "responses": input_ids[:, width_p:].clone(),
-            "response_mask": response_mask,
-            "rollout_logprobs": logprobs,
-        },
+        tensors=tensors,
         meta={
             "prompt": [prompts.text[i] for i in repeat],
             "response_text": texts,
@@ -143,6 +147,25 @@ def build_output(prompts: Prompts, outputs: Sequence[Sequence[Any]], n: int, pad
         },
     )
     return base.union(out)
+
+
+def _routes(prompts: Prompts, outputs: Sequence[Sequence[Any]], n: int, width: int) -> torch.Tensor | None:
+    """The experts the engine routed each token to, [rows, width, layers, top-k] int16 in the `input_ids`
+    columns (-1 where it routed nothing: padding, the last response token), when it recorded them (MoE
+    models with `return_routed_experts`: [tokens it ran, layers, top-k] per sample from the first prompt
+    token on, `workers.rollout.route_capture`); None if a sample has none."""
+    comps = [c for cs in outputs for c in cs]
+    found = [getattr(c, "routed_experts", None) for c in comps]
+    if not comps or any(r is None for r in found):
+        return None
+    width_p = max(len(p) for p in prompts.ids)
+    first = found[0]
+    out = torch.full((len(comps), width, *first.shape[1:]), -1, dtype=torch.int16)
+    for row, (c, r) in enumerate(zip(comps, found)):
+        start = width_p - len(prompts.ids[row // n])
+        t = min(len(r), width - start, len(prompts.ids[row // n]) + len(c.token_ids))
+        out[row, start:start + t] = torch.as_tensor(r[:t].astype("int16"))
+    return out
 
 
 def sampled_logprobs(logprobs: Any, toks: list[int]) -> list[float]:

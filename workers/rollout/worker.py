@@ -13,6 +13,7 @@ import torch
 from workers.agent.options import AgentOptions
 from workers.batch import Batch
 from workers.config import build
+from workers.rollout import route_capture
 from workers.rollout.config import EngineConfig, cuda_available, llm_kwargs, prepare_env
 from workers.rollout.control import SyncEndpoint
 from workers.rollout.cpu import engine_ops
@@ -63,6 +64,10 @@ class RolloutWorker:
         self.tokenizer = self.llm.get_tokenizer()
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
+        if cfg.return_routed_experts:
+            hf = self.llm.llm_engine.vllm_config.model_config.hf_config
+            self.llm.collective_rpc(route_capture.install,
+                                    args=(int(hf.num_hidden_layers), int(hf.num_experts_per_tok)))
         self.asleep = False
         self.dirty: str | None = None  # set when a weight update failed midway
         self.num_syncs = 0
@@ -93,8 +98,10 @@ class RolloutWorker:
         Returns B = len(prompts) * n rows, the samples of a prompt contiguous: tensors `input_ids`
         [B, P+R] (prompt left-padded to P, response right-padded to R with the pad id), `attention_mask`,
         `responses` [B, R], `response_mask` (1 on response tokens incl. EOS), `rollout_logprobs` [B, R]
-        (sampled-token logprobs, 0 on padding); meta `prompt` (text), `response_text`, `finish_reason`,
-        `group_id` (index of the source prompt); info `rollout/*` timings.
+        (sampled-token logprobs, 0 on padding); with `return_routed_experts` (MoE), `routed_experts`
+        [B, P+R, layers, top-k] (int16, -1 where nothing was routed; `route_capture`); meta `prompt`
+        (text), `response_text`, `finish_reason`, `group_id` (index of the source prompt); info `rollout/*`
+        timings.
         """
         sp = as_sampling(sampling)
         self._check_awake()
@@ -107,8 +114,12 @@ class RolloutWorker:
         params = [one.to_vllm(seed=None if sp.seed is None else sp.seed + i * per) for i in range(len(p.ids) * copies)]
         reqs = [{"prompt_token_ids": ids} for ids in p.ids for _ in range(copies)]
         t1 = time.perf_counter()
+        if self.cfg.return_routed_experts:
+            self.llm.collective_rpc(route_capture.clear)
         results = self.llm.generate(reqs, params, use_tqdm=False)
         t2 = time.perf_counter()
+        if self.cfg.return_routed_experts:
+            route_capture.attach(results, self.llm.collective_rpc(route_capture.take)[0])
         comps = [[c for r in results[i:i + copies] for c in sorted(r.outputs, key=lambda c: c.index)]
                  for i in range(0, len(results), copies)]
         out = build_output(p, comps, sp.n, self.pad_id, tokenizer=None if sp.stop else self.tokenizer)

@@ -12,6 +12,8 @@ Scope, in two parts:
   - `tensor_parallel.random._get_cuda_rng_state` / `_set_cuda_rng_state` use the CPU generator, and
     `CudaRNGStatesTracker.add` / `.fork` are CPU-generator versions with the same semantics (the
     originals seed the CUDA generator and warn whenever the CPU one moves inside a fork).
+  - Also without Transformer Engine (CPU or GPU): `moe_utils.te_general_gemm` bound to None, and
+    `multi_latent_attention.HAVE_TE` set False (see `_define_te_general_gemm`, `_mla_without_te`).
 - Per block of code: `cpu_device_mode()`, a TorchFunctionMode entered for the duration of a `with`
   (TorchFunctionModes are thread-local). The Megatron workers enter it around every actor method
   (`MegatronWorker.call_context`), `workers.megatron.launch` around each spawned rank's work.
@@ -149,10 +151,23 @@ def _define_te_general_gemm() -> None:
         moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
 
 
+def _mla_without_te() -> None:
+    """megatron-core 0.16.1's `multi_latent_attention` sets HAVE_TE when its TE imports succeed, and without
+    Transformer Engine they do: megatron's TE extension then binds MagicMocks. Its `isinstance(..., TELinear)`
+    check on a MagicMock raises TypeError while building MLA; without TE installed, HAVE_TE is set False."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        from megatron.core.transformer import multi_latent_attention
+
+        multi_latent_attention.HAVE_TE = False
+
+
 def apply_cpu_compat() -> bool:
     """Apply the process-wide patches when CUDA is absent, once; True when they are active."""
     global _applied
     _define_te_general_gemm()
+    _mla_without_te()
     if not cuda_absent():
         return False
     with _apply_lock:

@@ -86,6 +86,12 @@ PRESETS: dict[str, TinyPreset] = {
         **_MLA, "q_lora_rank": None, "n_routed_experts": 4, "n_shared_experts": 2, "num_experts_per_tok": 2,
         "moe_intermediate_size": 64, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
         "routed_scaling_factor": 1.0, "norm_topk_prob": False, "topk_method": "greedy", "scoring_func": "softmax"}),
+    # The DeepSeek GRPO example's policy: arith-qwen2's size (hidden 128, 4 layers, FFN 512) in tiny-deepseek-v3's
+    # layout (layer 0 dense, then 4 routed experts of 128 + 1 shared, top-2 of 1 group out of 2). ~1.7M.
+    "arith-deepseek-v3": TinyPreset("deepseek_v3", 128, 4, 4, 4, 512, 512, tie_embeddings=False, extra={
+        **_MLA, "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+        "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "num_nextn_predict_layers": 0}),
     "small-qwen2": TinyPreset("qwen2", 512, 8, 8, 4, 1408, 8192, tie_embeddings=True, max_position_embeddings=1024),
     # ~100M parameters, for conversion and weight-sync benchmarks.
     "base-qwen2": TinyPreset("qwen2", 768, 12, 12, 4, 2048, 8192, tie_embeddings=False, max_position_embeddings=1024),

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from mcore_convert_fns import _batch, parity_and_reshard
-from mcore_moe_fns import routing_agreement
+from mcore_moe_fns import explicit_positions_parity, routing_agreement
 from safetensors.torch import load_file, save_file
 from test_mcore_convert import _assert_same_hf
 
@@ -100,6 +100,14 @@ def test_yarn_changes_the_logits(models, tp1_world):
     ranks, _ = tp1_world
     plain, yarn = (ranks[0]["models"][str(models[p])]["hf_loss"] for p in ("tiny-deepseek-v3", "deepseek-v3-yarn"))
     assert abs(plain - yarn) > 1e-3, (plain, yarn)
+
+
+def test_mla_rope_at_explicit_positions(models):
+    """Prefix sharing needs RoPE at explicit position ids: MLA's per-layer rope (plain and YaRN) takes them."""
+    dirs = [str(models[p]) for p in ("tiny-deepseek-v3", "deepseek-v3-yarn")]
+    (res,) = run_distributed(explicit_positions_parity, 1, args=(dirs,))
+    for d in dirs:
+        assert res[d]["moved"] > 1e-3 and res[d]["diff"] <= 1e-4, (d, res[d])
 
 
 @pytest.mark.parametrize("preset", ("tiny-qwen2-moe", "tiny-qwen3-moe"))

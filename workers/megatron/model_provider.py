@@ -275,10 +275,10 @@ def check_parallel_fit(hf_config: Any, tp: int, pp: int, ep: int = 1) -> None:
             size = cfg_get(hf_config, field)
             if isinstance(size, int) and size % tp:
                 raise ValueError(f"{field}={size} is not divisible by tensor parallel size {tp}")
-    if fam.mla:
-        _check_mla_fit(hf_config, tp)
     elif ep > 1:
         raise ValueError(f"expert parallel size {ep} needs an MoE model; model_type {fam.name!r} has no experts")
+    if fam.mla:
+        _check_mla_fit(hf_config, tp)
     heads = cfg_get(hf_config, "num_attention_heads")
     groups = cfg_get(hf_config, "num_key_value_heads") or heads
     layers = cfg_get(hf_config, "num_hidden_layers")

@@ -5,7 +5,8 @@ wrongly (measured against the formula on random data: off by up to 7.7 for 3-D q
 [tokens, heads * rope_dim] queries the dense models pass, and for the one-head key). MLA passes the rope part
 of its query as a 3-D view, so without the fix the engine's log-probs were off by up to 0.07 from
 transformers' on tiny-deepseek-v3 while greedy tokens still agreed. `fix_mla_rope` makes each MLA layer's
-rotary embedding hand the kernel 2-D copies (the caller writes the result back into its query).
+rotary embedding hand the kernel 2-D copies (the caller writes the result back into its query). YaRN's
+rotary embedding (`deepseek_yarn`) computes in torch on CPU and is right as it is.
 
 Checked and not needing a fix (fp32): after `reload_weights` the absorbed decode weights vLLM derives from
 `kv_b_proj` (`W_UK_T`, `W_UV`; logged as "not loaded from checkpoint") are derived again, and the routed
@@ -30,10 +31,14 @@ def fix_mla_rope(worker: Any) -> int:
     how many layers were fixed. Nothing happens with CUDA or for models without MLA."""
     if torch.cuda.is_available():
         return 0
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
     n = 0
     for mod in _model(worker).modules():
         rope = getattr(mod, "rotary_emb", None)
         if rope is None or not hasattr(mod, "mla_attn") or getattr(rope, "_rlhf_2d", False):
+            continue
+        if type(rope).forward_cpu is not RotaryEmbedding.forward_cpu:  # e.g. YaRN's: torch code, no kernel
             continue
         inner = rope._forward_method
 

@@ -46,7 +46,7 @@ class RoleConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     resources: ResourceConfig = field(default_factory=ResourceConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    moe: MoEConfig = field(default_factory=MoEConfig)  # MoE models: router losses, token dispatcher
+    moe: MoEConfig = field(default_factory=MoEConfig)  # MoE models: router losses, expert-bias rate, dispatcher
     micro_batch_size: int = 8
     dtype: str = "float32"  # float32 | bfloat16
     offload: bool = False  # GPU only: keep parameters on CPU between uses

@@ -59,7 +59,8 @@ def _sparse_layers(cfg) -> list[int]:
 
 def explicit_positions_parity(hf_dirs: list[str]) -> dict[str, float]:
     """Per HF folder: megatron logits at explicit, non-contiguous position ids (a row whose second part
-    restarts at position 2, as prefix sharing lays out responses) vs transformers' at the same ids."""
+    restarts at position 2, as prefix sharing lays out responses) vs transformers' at the same ids; also
+    transformers' logits there."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from workers.megatron import rope_positions
@@ -80,5 +81,6 @@ def explicit_positions_parity(hf_dirs: list[str]) -> dict[str, float]:
         with torch.no_grad():
             ref = hf(input_ids=ids, position_ids=pos).logits
             plain = hf(input_ids=ids).logits
-        out[hf_dir] = {"diff": (got - ref).abs().max().item(), "moved": (ref - plain).abs().max().item()}
+        out[hf_dir] = {"diff": (got - ref).abs().max().item(), "moved": (ref - plain).abs().max().item(),
+                       "logits": ref}
     return out

@@ -3,7 +3,7 @@ DeepSeek-V2 (MLA; V3 with plain rope and with YaRN), with expert parallelism (re
 on gloo, allgather token dispatcher, sequential experts, megatron's non-TE MLA).
 
 Spawned worlds: TP1 (also saves TP1 dist checkpoints of the MoE models), EP2, PP2 and TP2 (DeepSeek; also load
-them), and the conversions the CLI runs (hf-to-mcore at EP2 / TP2, mcore-to-hf at EP1 / EP2 / TP2).
+them), and the conversions the CLI runs (hf-to-mcore at EP2 / TP2, mcore-to-hf at EP1 / EP2).
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ FAMILIES = ("tiny-qwen3", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-deepseek-v3"
 # context (16) shorter than the test batch's 24 tokens
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
-DEEPSEEK = ("tiny-deepseek-v3", "tiny-deepseek-v2", "deepseek-v3-yarn")
-MOE = ("tiny-qwen2-moe", "tiny-qwen3-moe", *DEEPSEEK)
-ALL = (*FAMILIES, "deepseek-v3-yarn")
+DEEPSEEK = ("tiny-deepseek-v3", "tiny-deepseek-v2")
+MOE = ("tiny-qwen2-moe", "tiny-qwen3-moe", *DEEPSEEK)  # TP1 checkpoints saved for the EP2 / PP2 worlds
+EP = ("tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-deepseek-v3")  # V2's experts are laid out like V3's
+ALL = (*FAMILIES, "deepseek-v3-yarn")  # YaRN at TP1 only: the rope does not depend on the layout
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +61,10 @@ def tp1_world(models) -> tuple[list[dict], dict[str, str]]:
 
 LAYOUTS = [
     pytest.param(1, 1, 1, ALL, id="tp1"),
-    pytest.param(1, 1, 2, MOE, id="ep2"),
-    pytest.param(1, 2, 1, ALL, id="pp2"),
-    pytest.param(2, 1, 1, DEEPSEEK, id="tp2"),
-    pytest.param(2, 1, 2, MOE, id="tp2xep2", marks=pytest.mark.slow),
+    pytest.param(1, 1, 2, EP, id="ep2"),
+    pytest.param(1, 2, 1, FAMILIES, id="pp2"),
+    pytest.param(2, 1, 1, DEEPSEEK, id="tp2"),  # MLA's column-parallel down projections and heads
+    pytest.param(2, 1, 2, EP, id="tp2xep2", marks=pytest.mark.slow),
 ]
 
 
@@ -95,19 +96,14 @@ def test_logits_match_hf_and_weights_round_trip(models, tp1_world, tp, pp, ep, p
     assert len(values) == tp * ep and all(v["max_abs_diff"] <= 1e-4 for v in values)
 
 
-def test_yarn_changes_the_logits(models, tp1_world):
-    """The YaRN variant is a different model (so its parity above checks the YaRN mapping, not plain rope)."""
-    ranks, _ = tp1_world
-    plain, yarn = (ranks[0]["models"][str(models[p])]["hf_loss"] for p in ("tiny-deepseek-v3", "deepseek-v3-yarn"))
-    assert abs(plain - yarn) > 1e-3, (plain, yarn)
-
-
 def test_mla_rope_at_explicit_positions(models):
     """Prefix sharing needs RoPE at explicit position ids: MLA's per-layer rope (plain and YaRN) takes them."""
     dirs = [str(models[p]) for p in ("tiny-deepseek-v3", "deepseek-v3-yarn")]
     (res,) = run_distributed(explicit_positions_parity, 1, args=(dirs,))
     for d in dirs:
-        assert res[d]["moved"] > 1e-3 and res[d]["diff"] <= 1e-4, (d, res[d])
+        assert res[d]["moved"] > 1e-3 and res[d]["diff"] <= 1e-4, (d, res[d]["moved"], res[d]["diff"])
+    yarn_effect = (res[dirs[0]]["logits"] - res[dirs[1]]["logits"]).abs().max().item()
+    assert yarn_effect > 1e-3, yarn_effect  # so the YaRN parity above checks the YaRN mapping, not plain rope
 
 
 @pytest.mark.parametrize("preset", ("tiny-qwen2-moe", "tiny-qwen3-moe"))
@@ -123,7 +119,7 @@ def test_routing_is_unambiguous_and_equal(models, preset):
     "preset,conv,export",
     [
         pytest.param("tiny-qwen2-moe", ["--ep", "2"], [], id="qwen2_moe-ep2-to-ep1"),
-        pytest.param("tiny-deepseek-v3", ["--ep", "2"], ["--tp", "2"], id="deepseek_v3-ep2-to-tp2"),
+        pytest.param("tiny-deepseek-v3", ["--ep", "2"], [], id="deepseek_v3-ep2-to-ep1"),
         pytest.param("tiny-qwen3-moe", [], ["--ep", "2"], id="qwen3_moe-ep1-to-ep2", marks=pytest.mark.slow),
         pytest.param("tiny-qwen3", ["--tp", "2"], [], id="qwen3-tp2-to-tp1", marks=pytest.mark.slow),
     ],

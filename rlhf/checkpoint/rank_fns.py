@@ -30,7 +30,7 @@ def mcore_to_hf_rank(ckpt_dir: str, out_dir: str, trust: bool = False) -> tuple[
     file (written by tp rank 0, dp rank 0 of each stage). Returns (file name, tensor names) on writers."""
     from megatron.core import parallel_state
 
-    from workers.megatron.hf_map import expected_hf_shapes
+    from workers.megatron.hf_map import expected_hf_shapes, hf_dtype
     from workers.megatron.hf_weights import is_hf_weight_source, iter_hf_weights, yielded_hf_names
     from workers.megatron.mcore_checkpoint import MODEL_SUBDIR, load_hf_config, load_model, read_meta
     from workers.megatron.model_provider import build_gpt_model
@@ -53,7 +53,7 @@ def mcore_to_hf_rank(ckpt_dir: str, out_dir: str, trust: bool = False) -> tuple[
             shapes = expected_hf_shapes(cfg)
             names = yielded_hf_names(model, cfg)
             writer = StreamingSafetensorsWriter(
-                Path(out_dir) / fname, [(n, shapes[n], meta.torch_dtype) for n in names]
+                Path(out_dir) / fname, [(n, shapes[n], hf_dtype(n, meta.torch_dtype)) for n in names]
             )
         for name, tensor in iter_hf_weights(model, cfg):
             if writer is not None:

@@ -1,4 +1,5 @@
-"""`rlhf convert`: HF <-> megatron-core checkpoint conversion (Llama, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE)."""
+"""`rlhf convert`: HF <-> megatron-core checkpoint conversion (Llama, Mistral, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE,
+DeepSeek-V2, DeepSeek-V3)."""
 
 from __future__ import annotations
 

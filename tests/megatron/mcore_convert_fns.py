@@ -43,7 +43,7 @@ def parity_and_reshard(hf_dirs: list[str], mcore_dirs: dict[str, str], save_dirs
         res: dict = {}
         model = build_gpt_model(cfg)
         res["filled"] = len(load_hf_weights(model, hf_dir, cfg))
-        res["n_params"] = len(list(model.parameters()))
+        res["n_params"] = len(list(model.parameters())) + _expert_biases(model)
         ids = _batch(cfg.vocab_size)
         logits = forward_logits(model, ids)
         ref = None
@@ -72,6 +72,11 @@ def parity_and_reshard(hf_dirs: list[str], mcore_dirs: dict[str, str], save_dirs
         out["models"][hf_dir] = res
     out["value"] = _value_model_check(hf_dirs[0], ids=_batch(64))
     return out
+
+
+def _expert_biases(model) -> int:
+    """DeepSeek-V3's router expert biases: buffers that are filled like parameters."""
+    return sum(1 for n, _ in model.named_buffers() if n.endswith("mlp.router.expert_bias"))
 
 
 def _value_model_check(hf_dir: str, ids: torch.Tensor) -> dict:

@@ -55,3 +55,32 @@ def _sparse_layers(cfg) -> list[int]:
     from workers.megatron.hf_map import moe_layer_pattern
 
     return [i for i, sparse in enumerate(moe_layer_pattern(cfg)) if sparse]
+
+
+def explicit_positions_parity(hf_dirs: list[str]) -> dict[str, float]:
+    """Per HF folder: megatron logits at explicit, non-contiguous position ids (a row whose second part
+    restarts at position 2, as prefix sharing lays out responses) vs transformers' at the same ids; also
+    transformers' logits there."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from workers.megatron import rope_positions
+    from workers.megatron.hf_weights import load_hf_weights
+    from workers.megatron.model_provider import build_gpt_model, forward_logits
+
+    ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(3))
+    pos = torch.tensor([list(range(6)) + list(range(2, 8)), list(range(12))])
+    out = {}
+    for hf_dir in hf_dirs:
+        cfg = AutoConfig.from_pretrained(hf_dir)
+        model = build_gpt_model(cfg)
+        load_hf_weights(model, hf_dir, cfg)
+        assert rope_positions.install(model)
+        with rope_positions.explicit_positions(pos):
+            got = forward_logits(model, ids)[..., : cfg.vocab_size]
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
+        with torch.no_grad():
+            ref = hf(input_ids=ids, position_ids=pos).logits
+            plain = hf(input_ids=ids).logits
+        out[hf_dir] = {"diff": (got - ref).abs().max().item(), "moved": (ref - plain).abs().max().item(),
+                       "logits": ref}
+    return out

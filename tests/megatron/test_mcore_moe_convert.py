@@ -1,8 +1,9 @@
-"""Issue 16: HF <-> megatron-core conversion for Qwen3 (dense), Qwen2-MoE and Qwen3-MoE, with expert
-parallelism (real transformers vs megatron-core on gloo, allgather token dispatcher, sequential experts).
+"""Issues 16 and 17: HF <-> megatron-core conversion for Qwen3 (dense), Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 and
+DeepSeek-V2 (MLA; V3 with plain rope and with YaRN), with expert parallelism (real transformers vs megatron-core
+on gloo, allgather token dispatcher, sequential experts, megatron's non-TE MLA).
 
-Spawned worlds: TP1 (also saves TP1 dist checkpoints of the MoE models), EP2 and PP2 (also load them), and
-the conversions the CLI runs (hf-to-mcore at EP2 / TP2, mcore-to-hf at EP1 / EP2).
+Spawned worlds: TP1 (also saves TP1 dist checkpoints of the MoE models), EP2, PP2 and TP2 (DeepSeek; also load
+them), and the conversions the CLI runs (hf-to-mcore at EP2 / TP2, mcore-to-hf at EP1 / EP2).
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from mcore_convert_fns import _batch, parity_and_reshard
-from mcore_moe_fns import routing_agreement
+from mcore_moe_fns import explicit_positions_parity, routing_agreement
 from safetensors.torch import load_file, save_file
 from test_mcore_convert import _assert_same_hf
 
@@ -22,14 +24,22 @@ from rlhf.tiny_models import create_tiny_model
 from workers.megatron.hf_map import expected_hf_shapes
 from workers.megatron.launch import run_distributed
 
-FAMILIES = ("tiny-qwen3", "tiny-qwen2-moe", "tiny-qwen3-moe")
-MOE = ("tiny-qwen2-moe", "tiny-qwen3-moe")
+FAMILIES = ("tiny-qwen3", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-deepseek-v2")
+# tiny-deepseek-v3's weights with YaRN as in DeepSeek-V3's config (factor, mscale = mscale_all_dim), the original
+# context (16) shorter than the test batch's 24 tokens
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+DEEPSEEK = ("tiny-deepseek-v3", "tiny-deepseek-v2")
+MOE = ("tiny-qwen2-moe", "tiny-qwen3-moe", *DEEPSEEK)  # TP1 checkpoints saved for the EP2 / PP2 worlds
+EP = ("tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-deepseek-v3")  # V2's experts are laid out like V3's
+ALL = (*FAMILIES, "deepseek-v3-yarn")  # YaRN at TP1 only: the rope does not depend on the layout
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("moe_convert")
     out = {p: create_tiny_model(p, root / p) for p in FAMILIES}
+    out["deepseek-v3-yarn"] = _variant(out["tiny-deepseek-v3"], root / "deepseek-v3-yarn", {"rope_parameters": YARN})
     out["root"] = root
     return out
 
@@ -41,7 +51,7 @@ def tp1_world(models) -> tuple[list[dict], dict[str, str]]:
 
     from rlhf.checkpoint.convert import finish_mcore_checkpoint
 
-    dirs = [str(models[p]) for p in FAMILIES]
+    dirs = [str(models[p]) for p in ALL]
     ckpts = {str(models[p]): str(models["root"] / f"{p}_tp1") for p in MOE}
     ranks = run_distributed(parity_and_reshard, 1, args=(dirs, {}, ckpts))
     for hf_dir, ckpt in ckpts.items():
@@ -50,10 +60,11 @@ def tp1_world(models) -> tuple[list[dict], dict[str, str]]:
 
 
 LAYOUTS = [
-    pytest.param(1, 1, 1, FAMILIES, id="tp1"),
-    pytest.param(1, 1, 2, MOE, id="ep2"),
+    pytest.param(1, 1, 1, ALL, id="tp1"),
+    pytest.param(1, 1, 2, EP, id="ep2"),
     pytest.param(1, 2, 1, FAMILIES, id="pp2"),
-    pytest.param(2, 1, 2, MOE, id="tp2xep2", marks=pytest.mark.slow),
+    pytest.param(2, 1, 1, DEEPSEEK, id="tp2"),  # MLA's column-parallel down projections and heads
+    pytest.param(2, 1, 2, EP, id="tp2xep2", marks=pytest.mark.slow),
 ]
 
 
@@ -85,7 +96,17 @@ def test_logits_match_hf_and_weights_round_trip(models, tp1_world, tp, pp, ep, p
     assert len(values) == tp * ep and all(v["max_abs_diff"] <= 1e-4 for v in values)
 
 
-@pytest.mark.parametrize("preset", MOE)
+def test_mla_rope_at_explicit_positions(models):
+    """Prefix sharing needs RoPE at explicit position ids: MLA's per-layer rope (plain and YaRN) takes them."""
+    dirs = [str(models[p]) for p in ("tiny-deepseek-v3", "deepseek-v3-yarn")]
+    (res,) = run_distributed(explicit_positions_parity, 1, args=(dirs,))
+    for d in dirs:
+        assert res[d]["moved"] > 1e-3 and res[d]["diff"] <= 1e-4, (d, res[d]["moved"], res[d]["diff"])
+    yarn_effect = (res[dirs[0]]["logits"] - res[dirs[1]]["logits"]).abs().max().item()
+    assert yarn_effect > 1e-3, yarn_effect  # so the YaRN parity above checks the YaRN mapping, not plain rope
+
+
+@pytest.mark.parametrize("preset", ("tiny-qwen2-moe", "tiny-qwen3-moe"))
 def test_routing_is_unambiguous_and_equal(models, preset):
     """fp32, a batch whose top-k choices are far from ties: megatron routes every token like transformers."""
     (res,) = run_distributed(routing_agreement, 1, args=(str(models[preset]), _batch(512)))
@@ -98,6 +119,7 @@ def test_routing_is_unambiguous_and_equal(models, preset):
     "preset,conv,export",
     [
         pytest.param("tiny-qwen2-moe", ["--ep", "2"], [], id="qwen2_moe-ep2-to-ep1"),
+        pytest.param("tiny-deepseek-v3", ["--ep", "2"], [], id="deepseek_v3-ep2-to-ep1"),
         pytest.param("tiny-qwen3-moe", [], ["--ep", "2"], id="qwen3_moe-ep1-to-ep2", marks=pytest.mark.slow),
         pytest.param("tiny-qwen3", ["--tp", "2"], [], id="qwen3-tp2-to-tp1", marks=pytest.mark.slow),
     ],
@@ -111,6 +133,27 @@ def test_round_trip_bit_exact(models, tmp_path, preset, conv, export):
     back = tmp_path / "back"
     assert cli(["convert", "mcore-to-hf", "--mcore", str(m), "--out", str(back), *export]) == 0
     _assert_same_hf(models[preset], back)
+    if "deepseek" in preset:  # the router bias is real data here (the preset draws it), and stays fp32
+        bias = load_file(back / "model.safetensors")["model.layers.1.mlp.gate.e_score_correction_bias"]
+        assert bias.dtype == torch.float32 and bias.abs().min() > 0
+
+
+def test_mtp_layers_skipped_with_a_note(models, tmp_path, capsys):
+    """A DeepSeek checkpoint with a multi-token-prediction layer (model.layers.{N}.*) validates; the layer is
+    named in a note and not part of the tensors the conversion reads."""
+    from rlhf.checkpoint.convert import validate_hf
+
+    src = _variant(models["tiny-deepseek-v3"], tmp_path / "mtp", {"num_nextn_predict_layers": 1})
+    sd = load_file(src / "model.safetensors")
+    sd.update({k.replace("model.layers.1.", "model.layers.2."): v.clone() for k, v in sd.items()
+               if k.startswith("model.layers.1.")})
+    sd["model.layers.2.eh_proj.weight"] = torch.zeros(128, 256)
+    save_file(sd, src / "model.safetensors", metadata={"format": "pt"})
+    cfg, dtype = validate_hf(src, 1, 1)
+    assert dtype == "float32"
+    err = capsys.readouterr().err
+    assert "model.layers.2" in err and "multi-token-prediction" in err, err
+    assert not any(n.startswith("model.layers.2.") for n in expected_hf_shapes(cfg))
 
 
 def _variant(src: Path, dst: Path, config: dict | None = None, drop: str | None = None) -> Path:
@@ -137,6 +180,23 @@ def _variant(src: Path, dst: Path, config: dict | None = None, drop: str | None 
          "missing tensor model.layers.1.mlp.experts.3.down_proj.weight"),
         ("shared", "tiny-qwen2-moe", {"shared_expert_intermediate_size": 0}, None, [],
          "shared_expert_intermediate_size must be a positive integer"),
+        ("mla_rope_odd", "tiny-deepseek-v3", {"qk_rope_head_dim": 63}, None, [], "qk_rope_head_dim=63 must be even"),
+        ("mla_dims", "tiny-deepseek-v3", {"qk_nope_head_dim": 48}, None, [],
+         "qk_head_dim=96 must equal qk_nope_head_dim + qk_rope_head_dim = 48 + 64 = 112"),
+        ("mla_shapes", "tiny-deepseek-v3", {"qk_nope_head_dim": 48, "qk_head_dim": 112}, None, [],
+         "tensor model.layers.0.self_attn.q_b_proj.weight has shape [384, 64] but the config"),
+        ("mla_kv_lora", "tiny-deepseek-v3", {"kv_lora_rank": 0}, None, [], "kv_lora_rank must be a positive integer"),
+        ("rope_type", "tiny-deepseek-v3", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0,
+                                                                "rope_theta": 10000.0}}, None, [],
+         "config field rope_parameters.rope_type='dynamic' is not supported"),
+        ("topk_group", "tiny-deepseek-v3", {"topk_group": 3}, None, [], "topk_group=3 is larger than n_group=2"),
+        ("noaux_tc", "tiny-deepseek-v3", {"topk_method": "greedy"}, None, [], "topk_method='greedy' is not supported"),
+        ("group_score", "tiny-deepseek-v3", {"num_experts_per_tok": 1}, None, [],
+         "num_experts_per_tok // topk_group = 1 experts, transformers by its top 2"),
+        ("v2_norm", "tiny-deepseek-v2", {"norm_topk_prob": True}, None, [], "norm_topk_prob=true is not supported"),
+        ("interleave", "tiny-deepseek-v3", {"rope_interleave": False}, None, [], "rope_interleave=false"),
+        ("mla_tp", "tiny-deepseek-v3", {"q_lora_rank": 63}, None, ["--tp", "2"],
+         "q_lora_rank=63 is not divisible by tensor parallel size 2"),
     ],
 )
 def test_bad_moe_input_rejected_cleanly(models, tmp_path, capsys, case, preset, config, drop, args, message):

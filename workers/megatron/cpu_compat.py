@@ -12,6 +12,9 @@ Scope, in two parts:
   - `tensor_parallel.random._get_cuda_rng_state` / `_set_cuda_rng_state` use the CPU generator, and
     `CudaRNGStatesTracker.add` / `.fork` are CPU-generator versions with the same semantics (the
     originals seed the CUDA generator and warn whenever the CPU one moves inside a fork).
+  - Also without Transformer Engine (CPU or GPU): `moe_utils.te_general_gemm` bound to None, and
+    `multi_latent_attention.HAVE_TE` set False (see `_define_te_general_gemm`, `_mla_without_te`).
+  - On any device: the expert-bias token count with a padding mask (`_fix_expert_bias_padding`).
 - Per block of code: `cpu_device_mode()`, a TorchFunctionMode entered for the duration of a `with`
   (TorchFunctionModes are thread-local). The Megatron workers enter it around every actor method
   (`MegatronWorker.call_context`), `workers.megatron.launch` around each spawned rank's work.
@@ -178,6 +181,37 @@ def _torch_norm_sequence_parallel() -> None:
 
     new._rlhf_sequence_parallel = True  # type: ignore[attr-defined]
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(new)  # type: ignore[method-assign,assignment]
+def _mla_without_te() -> None:
+    """megatron-core 0.16.1's `multi_latent_attention` sets HAVE_TE when its TE imports succeed, and without
+    Transformer Engine they do: megatron's TE extension then binds MagicMocks. Its `isinstance(..., TELinear)`
+    check on a MagicMock raises TypeError while building MLA; without TE installed, HAVE_TE is set False."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        from megatron.core.transformer import multi_latent_attention
+
+        multi_latent_attention.HAVE_TE = False
+
+
+def _fix_expert_bias_padding() -> None:
+    """megatron-core 0.16.1's `TopKRouter._apply_expert_bias` (the token counts of the expert-bias update)
+    masks the routing map [tokens, experts] with the padding mask [tokens] unbroadcast, so any MoE forward
+    with an expert bias and a padding mask raises (on any device). Replaced by the same count with the mask
+    as a column."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    if getattr(TopKRouter._apply_expert_bias, "_rlhf_fixed", False):
+        return
+
+    def _apply_expert_bias(self, routing_map: torch.Tensor, padding_mask: torch.Tensor | None = None) -> None:
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+    _apply_expert_bias._rlhf_fixed = True  # type: ignore[attr-defined]
+    TopKRouter._apply_expert_bias = _apply_expert_bias  # type: ignore[method-assign]
 
 
 def apply_cpu_compat() -> bool:
@@ -185,6 +219,8 @@ def apply_cpu_compat() -> bool:
     global _applied
     _define_te_general_gemm()
     _torch_norm_sequence_parallel()
+    _mla_without_te()
+    _fix_expert_bias_padding()
     if not cuda_absent():
         return False
     with _apply_lock:

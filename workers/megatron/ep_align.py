@@ -6,9 +6,10 @@ micro-batches (their own rows, trimmed to their own columns; packing makes their
 `align_micros` makes them agree: every rank runs the group's largest number of micro-batches, the i-th
 padded to the group's largest i-th [rows, columns]. Padding tokens are masked from attention (each sees
 only itself) and from the router losses (`padding`, megatron's MoE `padding_mask`); the extra
-micro-batches (`filler`) are run with no loss and no router losses (`MegatronEngine` handles both), so
-the gradients and metrics are those of the real micro-batches. Routing-replay routes are padded with -1
-(the router's own choice) and filler micro-batches replay nothing.
+micro-batches (`filler`) are run with no loss and no router losses (`MegatronEngine` handles both) and all
+their tokens marked as padding (so DeepSeek-V3's expert-bias update does not count them), so the gradients,
+metrics and bias updates are those of the real micro-batches. Routing-replay routes are padded with -1 (the
+router's own choice) and filler micro-batches replay nothing.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def align_micros(micros: list[Micro], group: Any, device: torch.device) -> list[
             ids = torch.zeros(b, s, dtype=torch.long, device=device)
             pos = torch.arange(s, device=device).expand(b, s)
             micro = Micro(ids, pos, causal_mask(s, device=device)[None, None], {})
-            out.append(Aligned(micro, b, s, filler=True))
+            padding = torch.ones(b, s, dtype=torch.bool, device=device)  # no token counts for the expert bias
+            out.append(Aligned(micro, b, s, padding, filler=True))
     return out
 
 

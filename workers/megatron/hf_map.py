@@ -1,5 +1,5 @@
-"""HF <-> megatron-core name and layout map for the Llama, Mistral, Qwen2, Qwen3, Qwen2-MoE and Qwen3-MoE
-families (defined once).
+"""HF <-> megatron-core name and layout map for the Llama, Mistral, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE,
+DeepSeek-V2 and DeepSeek-V3 families (defined once).
 
 Used by the offline converter and the live weight sync (`workers/megatron/hf_weights.py`).
 
@@ -30,6 +30,17 @@ Layouts (megatron-core GPTModel, local or TE layer spec):
   holds experts [r*E/ep, (r+1)*E/ep) numbered locally: global E = r*E/ep + e. Qwen2-MoE's shared expert
   `mlp.shared_experts.linear_fc1/fc2` <-> `mlp.shared_expert.*`, its sigmoid gate
   `mlp.shared_experts.gate_weight` <-> `mlp.shared_expert_gate.weight` (replicated).
+- DeepSeek (MLA, local spec; `workers/megatron/deepseek_config.py` has the config side): `self_attn.q_a_proj`
+  -> `self_attention.linear_q_down_proj`, `kv_a_proj_with_mqa` -> `linear_kv_down_proj` (column-parallel: rows
+  over TP, gathered before the layer norms), `q_b_proj` -> `linear_q_up_proj` (or `q_proj` -> `linear_q_proj`
+  without q_lora_rank; per head [nope | rope] rows), `kv_b_proj` -> `linear_kv_up_proj` (per head [k_nope | v]),
+  all column-parallel, heads split over TP; `q_a_layernorm` / `kv_a_layernorm` -> `q_layernorm` /
+  `kv_layernorm` (TE spec: fused into `linear_q_up_proj` / `linear_kv_up_proj` as `layer_norm_weight`),
+  replicated. HF's interleaved rope (`rope_interleave`) is megatron MLA's rope: no permutation. Shared experts
+  `mlp.shared_experts.*` (plural, no gate, width n_shared_experts x moe_intermediate_size). V3's router bias
+  `mlp.gate.e_score_correction_bias` <-> the router's fp32 buffer `mlp.router.expert_bias` (replicated; always
+  float32 in HF files, `hf_dtype`). Multi-token-prediction layers (`model.layers.{N}.` for N >=
+  num_hidden_layers) are skipped on import (`mtp_tensors`).
 - Value head (`ValueHead`, hidden -> 1): `output_layer.weight` <-> HF `score.weight` (as in
   *ForSequenceClassification with one label), replicated over TP.
 """
@@ -42,6 +53,9 @@ from typing import Any
 
 import torch
 
+from workers.megatron import deepseek_config
+from workers.megatron.hf_fields import cfg_get as cfg_get  # re-exported: callers read config fields here
+from workers.megatron.hf_fields import rope_type
 from workers.megatron.value_head import ValueHead
 
 
@@ -54,6 +68,8 @@ class Family:
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
     moe: bool = False  # routed experts (`mlp.experts.{E}.*`, router `mlp.gate`)
     shared_expert: bool = False  # Qwen2-MoE's shared expert with its sigmoid gate
+    mla: bool = False  # DeepSeek: multi-head latent attention, dense first layers, shared experts without a gate
+    expert_bias: bool = False  # DeepSeek-V3: sigmoid router with the expert-bias correction
 
 
 FAMILIES: dict[str, Family] = {
@@ -63,18 +79,19 @@ FAMILIES: dict[str, Family] = {
     "qwen3": Family("qwen3", qkv_bias=False, qk_norm=True),
     "qwen2_moe": Family("qwen2_moe", qkv_bias=True, moe=True, shared_expert=True),
     "qwen3_moe": Family("qwen3_moe", qkv_bias=False, qk_norm=True, moe=True),
+    "deepseek_v2": Family("deepseek_v2", qkv_bias=False, moe=True, mla=True),  # V3's layout; softmax router
+    "deepseek_v3": Family("deepseek_v3", qkv_bias=False, moe=True, mla=True, expert_bias=True),
 }
 
 
-def cfg_get(cfg: Any, name: str, default: Any = None) -> Any:
-    """A field of a HF config given as an object or a dict."""
-    return cfg.get(name, default) if isinstance(cfg, dict) else getattr(cfg, name, default)
-
-
 def num_experts(hf_config: Any) -> Any:
-    """Routed experts per MoE layer: `num_experts` (Qwen3-MoE's config.json spells it `num_local_experts`)."""
-    value = cfg_get(hf_config, "num_experts")
-    return cfg_get(hf_config, "num_local_experts") if value is None else value
+    """Routed experts per MoE layer: `num_experts` (Qwen3-MoE's config.json spells it `num_local_experts`,
+    DeepSeek's `n_routed_experts`)."""
+    for field in ("num_experts", "num_local_experts", "n_routed_experts"):
+        value = cfg_get(hf_config, field)
+        if value is not None:
+            return value
+    return None
 
 
 def family_of(hf_config: Any) -> Family:
@@ -97,8 +114,12 @@ def family_of(hf_config: Any) -> Family:
     if act != "silu":
         raise ValueError(f"hidden_act={act!r} is not supported (silu)")
     fam = FAMILIES[model_type]
-    if fam.moe:
-        _check_moe_fields(hf_config, fam)
+    if fam.mla:
+        deepseek_config.check_deepseek(hf_config, fam.name)
+    else:
+        rope_type(hf_config, ("default", "linear", "llama3"))
+        if fam.moe:
+            _check_moe_fields(hf_config, fam)
     return fam
 
 
@@ -139,8 +160,11 @@ def moe_layer_pattern(hf_config: Any) -> tuple[bool, ...]:
     """Per layer: True where the layer is an MoE layer (HF Qwen-MoE rule: not in `mlp_only_layers` and
     (i+1) % `decoder_sparse_step` == 0); all False for dense families."""
     layers = cfg_get(hf_config, "num_hidden_layers")
-    if not family_of(hf_config).moe:
+    fam = family_of(hf_config)
+    if not fam.moe:
         return (False,) * layers
+    if fam.mla:
+        return deepseek_config.moe_layers(hf_config)
     step = cfg_get(hf_config, "decoder_sparse_step", 1)
     only_mlp = set(cfg_get(hf_config, "mlp_only_layers") or [])
     return tuple(i not in only_mlp and (i + 1) % step == 0 for i in range(layers))
@@ -164,6 +188,14 @@ class Dims:
     moe_ffn: int = 0  # one expert's intermediate size
     shared_ffn: int = 0  # the shared expert's intermediate size (0: none)
     moe_layers: tuple[bool, ...] = ()  # per layer: an MoE layer
+    shared_gate: bool = False  # Qwen2-MoE's gated `shared_expert` (else DeepSeek's `shared_experts`)
+    mla: bool = False  # DeepSeek's multi-head latent attention, with the sizes below
+    q_lora: int = 0  # q_lora_rank (0: `q_proj`, no query compression)
+    kv_lora: int = 0
+    qk_nope: int = 0
+    qk_rope: int = 0
+    v_dim: int = 0
+    expert_bias: bool = False  # V3's router bias `mlp.gate.e_score_correction_bias`
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> Dims:
@@ -186,9 +218,28 @@ class Dims:
             qk_norm=fam.qk_norm,
             experts=num_experts(hf_config) if fam.moe else 0,
             moe_ffn=cfg_get(hf_config, "moe_intermediate_size") if fam.moe else 0,
-            shared_ffn=cfg_get(hf_config, "shared_expert_intermediate_size") if fam.shared_expert else 0,
+            shared_ffn=_shared_ffn(hf_config, fam),
             moe_layers=moe_layer_pattern(hf_config),
+            shared_gate=fam.shared_expert,
+            expert_bias=fam.expert_bias,
+            **_mla_dims(hf_config, fam),
         )
+
+
+def _shared_ffn(hf_config: Any, fam: Family) -> int:
+    if fam.shared_expert:
+        return cfg_get(hf_config, "shared_expert_intermediate_size")
+    if fam.mla:
+        return cfg_get(hf_config, "n_shared_experts") * cfg_get(hf_config, "moe_intermediate_size")
+    return 0
+
+
+def _mla_dims(hf_config: Any, fam: Family) -> dict[str, Any]:
+    if not fam.mla:
+        return {}
+    m = deepseek_config.mla_dims(hf_config)
+    return {"mla": True, "q_lora": m["q_lora"], "kv_lora": m["kv_lora"], "qk_nope": m["nope"], "qk_rope": m["rope"],
+            "v_dim": m["v"]}
 
 
 # Layouts ("kind") of a megatron tensor relative to its HF tensors.
@@ -228,6 +279,25 @@ _LAYER_RULES: tuple[Rule, ...] = (
     Rule(("mlp.shared_experts.linear_fc2.weight",), ("model.layers.{L}.mlp.shared_expert.down_proj.weight",), ROW),
     Rule(("mlp.shared_experts.gate_weight",), ("model.layers.{L}.mlp.shared_expert_gate.weight",), REPLICATED),
 )
+# DeepSeek (MLA): matched before _LAYER_RULES (q_layernorm and shared_experts mean other HF tensors there).
+_MLA_RULES: tuple[Rule, ...] = (
+    Rule(("self_attention.linear_q_down_proj.weight",), ("model.layers.{L}.self_attn.q_a_proj.weight",), COLUMN),
+    Rule(("self_attention.q_layernorm.weight", "self_attention.linear_q_up_proj.layer_norm_weight"),
+         ("model.layers.{L}.self_attn.q_a_layernorm.weight",), REPLICATED),
+    Rule(("self_attention.linear_q_up_proj.weight",), ("model.layers.{L}.self_attn.q_b_proj.weight",), COLUMN),
+    Rule(("self_attention.linear_q_proj.weight",), ("model.layers.{L}.self_attn.q_proj.weight",), COLUMN),
+    Rule(("self_attention.linear_kv_down_proj.weight",), ("model.layers.{L}.self_attn.kv_a_proj_with_mqa.weight",),
+         COLUMN),
+    Rule(("self_attention.kv_layernorm.weight", "self_attention.linear_kv_up_proj.layer_norm_weight"),
+         ("model.layers.{L}.self_attn.kv_a_layernorm.weight",), REPLICATED),
+    Rule(("self_attention.linear_kv_up_proj.weight",), ("model.layers.{L}.self_attn.kv_b_proj.weight",), COLUMN),
+    Rule(("mlp.shared_experts.linear_fc1.weight",),
+         ("model.layers.{L}.mlp.shared_experts.gate_proj.weight", "model.layers.{L}.mlp.shared_experts.up_proj.weight"),
+         FC1),
+    Rule(("mlp.shared_experts.linear_fc2.weight",), ("model.layers.{L}.mlp.shared_experts.down_proj.weight",), ROW),
+    Rule(("mlp.router.expert_bias",), ("model.layers.{L}.mlp.gate.e_score_correction_bias",), REPLICATED),
+)
+EXPERT_BIAS_SUFFIX = "mlp.router.expert_bias"  # a buffer (fp32), bound like a parameter
 # One routed expert's weights (`{E}`: global expert index); the megatron names are matched by _EXPERT_RE.
 _EXPERT_RULES: dict[str, Rule] = {
     "linear_fc1": Rule(("linear_fc1",), ("model.layers.{L}.mlp.experts.{E}.gate_proj.weight",
@@ -248,10 +318,12 @@ def expected_hf_shapes(hf_config: Any, value_head: bool = False) -> dict[str, tu
     q, kv = d.heads * d.head_dim, d.groups * d.head_dim
     layer = {
         "input_layernorm.weight": (d.hidden,),
-        "self_attn.q_proj.weight": (q, d.hidden),
-        "self_attn.k_proj.weight": (kv, d.hidden),
-        "self_attn.v_proj.weight": (kv, d.hidden),
-        "self_attn.o_proj.weight": (d.hidden, q),
+        **(_mla_shapes(d) if d.mla else {
+            "self_attn.q_proj.weight": (q, d.hidden),
+            "self_attn.k_proj.weight": (kv, d.hidden),
+            "self_attn.v_proj.weight": (kv, d.hidden),
+            "self_attn.o_proj.weight": (d.hidden, q),
+        }),
         "post_attention_layernorm.weight": (d.hidden,),
         "mlp.gate_proj.weight": (d.ffn, d.hidden),
         "mlp.up_proj.weight": (d.ffn, d.hidden),
@@ -271,12 +343,16 @@ def expected_hf_shapes(hf_config: Any, value_head: bool = False) -> dict[str, tu
             f"mlp.experts.{e}.down_proj.weight": (d.hidden, d.moe_ffn),
         })
     if d.shared_ffn:
+        shared = "mlp.shared_expert." if d.shared_gate else "mlp.shared_experts."
         moe_layer.update({
-            "mlp.shared_expert.gate_proj.weight": (d.shared_ffn, d.hidden),
-            "mlp.shared_expert.up_proj.weight": (d.shared_ffn, d.hidden),
-            "mlp.shared_expert.down_proj.weight": (d.hidden, d.shared_ffn),
-            "mlp.shared_expert_gate.weight": (1, d.hidden),
+            shared + "gate_proj.weight": (d.shared_ffn, d.hidden),
+            shared + "up_proj.weight": (d.shared_ffn, d.hidden),
+            shared + "down_proj.weight": (d.hidden, d.shared_ffn),
         })
+        if d.shared_gate:
+            moe_layer["mlp.shared_expert_gate.weight"] = (1, d.hidden)
+    if d.expert_bias:
+        moe_layer["mlp.gate.e_score_correction_bias"] = (d.experts,)
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (d.vocab, d.hidden)}
     for i in range(d.layers):
         this = moe_layer if d.moe_layers[i] else layer
@@ -289,10 +365,45 @@ def expected_hf_shapes(hf_config: Any, value_head: bool = False) -> dict[str, tu
     return shapes
 
 
+def _mla_shapes(d: Dims) -> dict[str, tuple[int, ...]]:
+    """The attention tensors of an MLA layer."""
+    qk = d.qk_nope + d.qk_rope
+    q: dict[str, tuple[int, ...]] = {"self_attn.q_proj.weight": (d.heads * qk, d.hidden)} if not d.q_lora else {
+        "self_attn.q_a_proj.weight": (d.q_lora, d.hidden),
+        "self_attn.q_a_layernorm.weight": (d.q_lora,),
+        "self_attn.q_b_proj.weight": (d.heads * qk, d.q_lora),
+    }
+    return {
+        **q,
+        "self_attn.kv_a_proj_with_mqa.weight": (d.kv_lora + d.qk_rope, d.hidden),
+        "self_attn.kv_a_layernorm.weight": (d.kv_lora,),
+        "self_attn.kv_b_proj.weight": (d.heads * (d.qk_nope + d.v_dim), d.kv_lora),
+        "self_attn.o_proj.weight": (d.hidden, d.heads * d.v_dim),
+    }
+
+
+def hf_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype tensor `name` is written in when the model's weights are `dtype`: DeepSeek-V3's router bias
+    stays float32 (megatron keeps it in fp32; a bf16 copy would round the balancing state)."""
+    return torch.float32 if name.endswith(".mlp.gate.e_score_correction_bias") else dtype
+
+
+def mtp_tensors(hf_config: Any, names: Any) -> list[str]:
+    """The names among `names` that belong to multi-token-prediction layers (`model.layers.{N}.*`, N >=
+    num_hidden_layers, DeepSeek's `num_nextn_predict_layers`): skipped on import."""
+    if not family_of(hf_config).mla:
+        return []
+    prefixes = deepseek_config.mtp_prefixes(hf_config)
+    return sorted(n for n in names if n.startswith(prefixes)) if prefixes else []
+
+
 def check_hf_tensors(hf_config: Any, shapes: dict[str, tuple[int, ...]], value_head: bool = False) -> None:
     """Check a HF checkpoint's tensor names and shapes against its config: every expected tensor present
-    with the right shape, none extra. Raises ValueError naming the tensor (and the config fields)."""
+    with the right shape, none extra (multi-token-prediction layers aside: `mtp_tensors`). Raises ValueError
+    naming the tensor (and the config fields)."""
     expected = expected_hf_shapes(hf_config, value_head)
+    mtp = set(mtp_tensors(hf_config, shapes))
+    shapes = {k: v for k, v in shapes.items() if k not in mtp}
     missing = [n for n in expected if n not in shapes]
     if missing:
         raise ValueError(f"missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
@@ -306,9 +417,12 @@ def check_hf_tensors(hf_config: Any, shapes: dict[str, tuple[int, ...]], value_h
             raise ValueError(
                 f"tensor {name} has shape {list(shapes[name])} but the config (hidden_size, num_attention_heads, "
                 f"num_key_value_heads, head_dim, intermediate_size, moe_intermediate_size, num_experts, "
-                f"shared_expert_intermediate_size, vocab_size) implies {list(shape)}"
+                f"shared_expert_intermediate_size, {_MLA_FIELDS if Dims.from_hf(hf_config).mla else ''}"
+                f"vocab_size) implies {list(shape)}"
             )
 
+
+_MLA_FIELDS = "q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, n_shared_experts, "
 
 # --------------------------------------------------------------------------------------- binding
 
@@ -318,7 +432,7 @@ class Binding:
     """A live megatron parameter bound to its rule, with HF names resolved to global layer indices."""
 
     mcore_name: str
-    param: torch.nn.Parameter
+    param: torch.Tensor  # a parameter, or the router's expert-bias buffer
     hf_names: tuple[str, ...]
     kind: str
     alias: bool = False  # tied output layer on the last PP stage: filled on load, never exported
@@ -357,7 +471,10 @@ def bind(model: torch.nn.Module, hf_config: Any) -> list[Binding]:
         raise ValueError(f"num_experts={d.experts} is not divisible by expert parallel size {ep}")
     per_rank = d.experts // ep
     out: list[Binding] = []
-    for name, param in model.named_parameters():
+    rules = _MLA_RULES + _LAYER_RULES if d.mla else _LAYER_RULES
+    tensors: list[tuple[str, torch.Tensor]] = list(model.named_parameters())
+    tensors += [(n, b) for n, b in model.named_buffers() if n.endswith(EXPERT_BIAS_SUFFIX)]
+    for name, param in tensors:
         m = _LAYER_RE.match(name)
         if m:
             local, suffix = int(m.group(1)), m.group(2)
@@ -371,7 +488,7 @@ def bind(model: torch.nn.Module, hf_config: Any) -> list[Binding]:
                 out.append(Binding(name, param, hf, rule.kind, expert=templates, local_expert=e,
                                    local_experts=per_rank))
                 continue
-            rule = next((r for r in _LAYER_RULES if suffix in r.mcore), None)
+            rule = next((r for r in rules if suffix in r.mcore), None)
             if rule is None:
                 raise ValueError(f"megatron parameter {name} has no HF mapping")
             hf = tuple(h.format(L=global_idx) for h in rule.hf)

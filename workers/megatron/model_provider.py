@@ -1,5 +1,5 @@
-"""Build megatron-core GPT models (LM and value-head variants) from a HF Llama / Qwen2 / Qwen3 / Qwen2-MoE /
-Qwen3-MoE config.
+"""Build megatron-core GPT models (LM and value-head variants) from a HF Llama / Mistral / Qwen2 / Qwen3 /
+Qwen2-MoE / Qwen3-MoE / DeepSeek-V2 / DeepSeek-V3 config (DeepSeek: MLA, `workers/megatron/deepseek_config.py`).
 
 The Transformer Engine vs local layer-spec choice is made in `use_transformer_engine()` only.
 """
@@ -13,7 +13,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from workers.megatron import deepseek_config
 from workers.megatron.cpu_compat import cuda_absent
+from workers.megatron.hf_fields import rope_parameters
 from workers.megatron.hf_map import cfg_get, family_of, moe_layer_pattern, num_experts
 from workers.megatron.masks import causal_mask, follow_mask
 from workers.megatron.value_head import ValueHead
@@ -47,7 +49,7 @@ def layer_spec(use_te: bool | None = None, mask_type: Any = None, qk_layernorm: 
 def decoder_spec(config: Any, use_te: bool | None = None, mask_type: Any = None):
     """The layer spec for `config`: `layer_spec` for dense models; for MoE models megatron's block spec
     (this stage's layers, dense or MoE per `moe_layer_freq`), each with the same attention mask type."""
-    if not config.num_moe_experts:
+    if not config.num_moe_experts and not config.multi_latent_attention:
         return layer_spec(use_te, mask_type, qk_layernorm=config.qk_layernorm)
     from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.transformer.enums import AttnMaskType
@@ -56,6 +58,10 @@ def decoder_spec(config: Any, use_te: bool | None = None, mask_type: Any = None)
     block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm")
     for spec in block.layer_specs:
         spec.submodules.self_attention.params["attn_mask_type"] = mask_type or AttnMaskType.arbitrary
+        if config.multi_latent_attention and not te:
+            from workers.megatron.mla_attention import MLADotProductAttention
+
+            spec.submodules.self_attention.submodules.core_attention = MLADotProductAttention
     return block
 
 
@@ -75,6 +81,10 @@ def moe_config_from_hf(hf_config: Any, use_te: bool | None = None) -> dict:
         return {}
     pattern = moe_layer_pattern(hf_config)
     te = use_transformer_engine() if use_te is None else use_te
+    training = dict(moe_grouped_gemm=te, moe_token_dispatcher_type=default_token_dispatcher(),
+                    moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None)
+    if fam.mla:
+        return {**deepseek_config.router_fields(hf_config, fam.name), **training}
     out: dict[str, Any] = dict(
         num_moe_experts=num_experts(hf_config),
         moe_router_topk=cfg_get(hf_config, "num_experts_per_tok"),
@@ -104,16 +114,13 @@ def rope_settings(hf_config: Any) -> dict:
     """RoPE base and scaling from a HF config (transformers 5 `rope_parameters` or legacy fields).
 
     Returns {'theta', 'type', 'factor', 'low_freq_factor', 'high_freq_factor', 'original_max'}; raises
-    ValueError for scaling types megatron's RotaryEmbedding cannot reproduce.
+    ValueError for scaling types megatron's RotaryEmbedding cannot reproduce (MLA models: their rope is
+    built inside the attention, `deepseek_config.rope_fields`).
     """
-    params = dict(cfg_get(hf_config, "rope_parameters") or {})
-    legacy = cfg_get(hf_config, "rope_scaling") or {}
-    if not params:
-        params = dict(legacy)
-        params.setdefault("rope_theta", cfg_get(hf_config, "rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if rope_type not in ("default", "llama3", "linear"):
-        raise ValueError(f"rope type {rope_type!r} is not supported (default, linear, llama3)")
+    from workers.megatron.hf_fields import rope_type as checked_rope_type
+
+    params, _ = rope_parameters(hf_config)
+    rope_type = checked_rope_type(hf_config, ("default", "linear", "llama3"))
     return {
         "theta": float(params.get("rope_theta", cfg_get(hf_config, "rope_theta", 10000.0))),
         "type": rope_type,
@@ -134,6 +141,7 @@ def transformer_config_from_hf(
     """A megatron `TransformerConfig` equivalent to the HF config (SwiGLU, RMSNorm, GQA, RoPE, no biases
     except Qwen2's qkv bias). `overrides` set further TransformerConfig fields (e.g. recompute)."""
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     fam = family_of(hf_config)
     heads = cfg_get(hf_config, "num_attention_heads")
@@ -171,8 +179,11 @@ def transformer_config_from_hf(
         use_cpu_initialization=cuda_absent(),
     )
     kwargs.update(moe_config_from_hf(hf_config))
+    if fam.mla:
+        kwargs.update(deepseek_config.mla_fields(hf_config))
+        kwargs.pop("kv_channels")
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return (MLATransformerConfig if fam.mla else TransformerConfig)(**kwargs)
 
 
 def _stage_flags(pre_process: bool | None, post_process: bool | None) -> tuple[bool, bool]:
@@ -211,7 +222,8 @@ def build_gpt_model(
     pre_process, post_process = _stage_flags(pre_process, post_process)
     ep = parallel_state.get_expert_model_parallel_world_size()
     config = transformer_config_from_hf(hf_config, tp, pp, dtype, expert_model_parallel_size=ep, **config_overrides)
-    rope = rope_settings(hf_config)
+    rope = {"theta": 10000.0, "type": "default", "factor": 1.0} if config.multi_latent_attention \
+        else rope_settings(hf_config)  # MLA builds its rope inside each attention layer
     vocab = cfg_get(hf_config, "vocab_size")
     if padded_vocab is None:
         padded_vocab = padded_vocab_size(vocab, tp, vocab_divisible_by)
@@ -265,6 +277,8 @@ def check_parallel_fit(hf_config: Any, tp: int, pp: int, ep: int = 1) -> None:
                 raise ValueError(f"{field}={size} is not divisible by tensor parallel size {tp}")
     elif ep > 1:
         raise ValueError(f"expert parallel size {ep} needs an MoE model; model_type {fam.name!r} has no experts")
+    if fam.mla:
+        _check_mla_fit(hf_config, tp)
     heads = cfg_get(hf_config, "num_attention_heads")
     groups = cfg_get(hf_config, "num_key_value_heads") or heads
     layers = cfg_get(hf_config, "num_hidden_layers")
@@ -277,6 +291,16 @@ def check_parallel_fit(hf_config: Any, tp: int, pp: int, ep: int = 1) -> None:
         raise ValueError(f"intermediate_size={ffn} is not divisible by tensor parallel size {tp}")
     if layers % pp:
         raise ValueError(f"num_hidden_layers={layers} is not divisible by pipeline parallel size {pp}")
+
+
+def _check_mla_fit(hf_config: Any, tp: int) -> None:
+    """MLA's column-parallel down projections split their outputs over TP (gathered before the layer norms)."""
+    d = deepseek_config.mla_dims(hf_config)
+    if d["q_lora"] % tp:
+        raise ValueError(f"q_lora_rank={d['q_lora']} is not divisible by tensor parallel size {tp}")
+    if (d["kv_lora"] + d["rope"]) % tp:
+        raise ValueError(f"kv_lora_rank + qk_rope_head_dim = {d['kv_lora']} + {d['rope']} = "
+                         f"{d['kv_lora'] + d['rope']} is not divisible by tensor parallel size {tp}")
 
 
 def position_ids_for(input_ids: torch.Tensor) -> torch.Tensor:

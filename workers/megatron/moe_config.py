@@ -24,6 +24,10 @@ class MoEConfig:
       `load_balancing_type` says over what it balances: `aux_loss` each micro-batch's tokens, `seq_aux_loss`
       each sequence's.
     - `z_loss_coeff`: the router z-loss (ST-MoE: the squared log-sum-exp of the router logits), 0 = off.
+    - `expert_bias_update_rate`: aux-loss-free balancing of routers with an expert bias (DeepSeek-V3): after
+      each training pass every bias moves by this much towards balance (up for experts that got fewer tokens
+      than the mean over the global batch, down for more; megatron `moe_router_bias_update_rate`). The biases
+      are part of the model and its checkpoints; routers without a bias ignore it.
     - `token_dispatcher`: how tokens reach the experts of other expert-parallel ranks. `auto`: `alltoall` with
       CUDA or pipeline parallelism, `allgather` otherwise (megatron-core 0.16.1's all-to-all dispatcher
       creates CUDA streams, so it cannot be built on CPU; with PP the engine runs micro-batches of varying
@@ -33,6 +37,7 @@ class MoEConfig:
     aux_loss_coeff: float = 0.0
     load_balancing_type: str = "aux_loss"  # aux_loss | seq_aux_loss | none
     z_loss_coeff: float = 0.0
+    expert_bias_update_rate: float = 1e-3
     token_dispatcher: str = "auto"  # auto | allgather | alltoall
     routing_replay: bool = False  # the policy: replay the rollout engine's experts in its forwards (R3)
 
@@ -65,6 +70,7 @@ class MoEConfig:
             "moe_aux_loss_coeff": self.aux_loss_coeff if self.balancing != "none" else 0.0,
             "moe_z_loss_coeff": self.z_loss_coeff if self.z_loss_coeff > 0 else None,
             "moe_token_dispatcher_type": self.dispatcher(pp),
+            "moe_router_bias_update_rate": self.expert_bias_update_rate,
         }
 
     def fit_error(self, pp: int, cuda: bool) -> str | None:
@@ -74,7 +80,7 @@ class MoEConfig:
             return f"load_balancing_type: expected one of {', '.join(LOAD_BALANCING_TYPES)}, got {self.load_balancing_type!r}"
         if self.token_dispatcher not in TOKEN_DISPATCHERS:
             return f"token_dispatcher: expected one of {', '.join(TOKEN_DISPATCHERS)}, got {self.token_dispatcher!r}"
-        for name in ("aux_loss_coeff", "z_loss_coeff"):
+        for name in ("aux_loss_coeff", "z_loss_coeff", "expert_bias_update_rate"):
             value = getattr(self, name)
             if not value >= 0:
                 return f"{name}: expected a coefficient >= 0, got {value!r}"

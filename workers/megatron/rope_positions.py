@@ -7,6 +7,8 @@ not one contiguous sequence, e.g. a prompt shared by several responses (workers/
 `prefix_shared_micros`). `install(model)` makes the model's RotaryEmbedding honour the ids set with
 `explicit_positions(ids)` for the duration of a forward call; outside it nothing changes.
 Local (non-fused) RoPE only: `_apply_rotary_pos_emb_bshd` broadcasts a [s, b, 1, d] table over the heads.
+MLA models (DeepSeek) build their rope inside each attention layer (plain or YaRN, the latter returning
+(table, mscale)): each layer's embedding is patched to pick the rows of the ids from its own table.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ def install(model: torch.nn.Module) -> bool:
     RotaryEmbedding or uses fused RoPE (then explicit positions are not supported)."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
+    if getattr(model.config, "multi_latent_attention", False):
+        return _install_mla(model)
     rope = getattr(model, "rotary_pos_emb", None)
     if type(rope) is not RotaryEmbedding or getattr(model.config, "apply_rope_fusion", False):
         return False
@@ -48,6 +52,32 @@ def install(model: torch.nn.Module) -> bool:
 
     rope.forward = types.MethodType(forward, rope)
     rope._explicit_positions = True
+    return True
+
+
+def _install_mla(model: torch.nn.Module) -> bool:
+    """`install` for MLA: every layer's rotary embedding (RotaryEmbedding or YarnRotaryEmbedding) looks up
+    the explicit positions in the table it builds for positions 0..max(ids)."""
+    if getattr(model.config, "apply_rope_fusion", False):
+        return False
+    for layer in model.decoder.layers:
+        rope = layer.self_attention.rotary_pos_emb
+        if getattr(rope, "_explicit_positions", False):
+            continue
+        original = rope.forward
+
+        def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group=None,
+                    _original=original):
+            pos = _CURRENT[0]
+            if pos is None:
+                return _original(max_seq_len, offset, packed_seq, cp_group)
+            out = _original(int(pos.max()) + 1, 0, packed_seq, cp_group)
+            table, rest = (out[0], out[1:]) if isinstance(out, tuple) else (out, ())
+            picked = table[:, 0, 0, :][pos.to(table.device)].transpose(0, 1)[:, :, None, :]  # [s, b, 1, d]
+            return (picked, *rest) if rest else picked
+
+        rope.forward = types.MethodType(forward, rope)
+        rope._explicit_positions = True
     return True
 
 

@@ -26,7 +26,7 @@ def _write_stage(engine: Any, out: Path) -> tuple[str, list[str]] | None:
     """This rank's part: stream its stage's HF tensors into a file when it is the stage's writer."""
     from megatron.core import parallel_state as ps
 
-    from workers.megatron.hf_map import expected_hf_shapes
+    from workers.megatron.hf_map import expected_hf_shapes, hf_dtype
     from workers.megatron.hf_weights import is_hf_weight_source, iter_hf_weights, yielded_hf_names
     from workers.megatron.safetensors_writer import StreamingSafetensorsWriter
 
@@ -38,9 +38,9 @@ def _write_stage(engine: Any, out: Path) -> tuple[str, list[str]] | None:
         return None
     shapes = expected_hf_shapes(cfg)
     names = yielded_hf_names(model, cfg)
-    with StreamingSafetensorsWriter(out / fname, [(n, shapes[n], engine.dtype) for n in names]) as writer:
+    with StreamingSafetensorsWriter(out / fname, [(n, shapes[n], hf_dtype(n, engine.dtype)) for n in names]) as writer:
         for name, tensor in iter_hf_weights(model, cfg):
-            writer.write(name, tensor.to(engine.dtype))
+            writer.write(name, tensor.to(hf_dtype(name, engine.dtype)))
     return fname, names
 
 

@@ -14,7 +14,7 @@ from workers.megatron.optim_config import OptimSettings
 class RoleOptions:
     """The settings of a Megatron role a run sets (its `policy`, `reference`, `critic` or `reward_model`)."""
 
-    moe: MoEConfig = field(default_factory=MoEConfig)  # MoE models: router losses, token dispatcher
+    moe: MoEConfig = field(default_factory=MoEConfig)  # MoE models: router losses, expert-bias rate, dispatcher
     micro_batch_size: int = 8
     dtype: str = "float32"  # float32 | bfloat16
     offload: bool = False  # GPU only: keep parameters on CPU between uses

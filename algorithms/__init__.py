@@ -29,7 +29,7 @@ from .kl import (
 from .losses import entropy_from_logits, lm_loss, logprobs_from_logits, policy_loss, value_loss
 from .masked import masked_mean, masked_sum, masked_var, masked_whiten
 from .mismatch import logprob_mismatch, routing_disagreement, routing_disagreement_metrics
-from .preference import PREFERENCE_LOSSES, check_preference_loss, preference_loss
+from .preference import PREFERENCE_LOSSES, bradley_terry_loss, check_preference_loss, preference_loss
 from .rewards import (
     RewardFn,
     RewardResult,
@@ -59,6 +59,7 @@ __all__ = [
     "UnknownRewardError",
     "agg_loss",
     "apply_kl_penalty",
+    "bradley_terry_loss",
     "canonical_kl_kind",
     "check_agg_mode",
     "check_preference_loss",

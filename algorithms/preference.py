@@ -13,6 +13,9 @@ With ``delta = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejecte
 
 The loss is returned per pair: the caller divides its sum by the global pair count (so micro-batching and
 data parallelism do not change it). Rewards for the metrics: ``beta * logratio`` (``beta * a`` for simpo).
+
+``bradley_terry_loss`` is the reward model's: ``-logsigmoid(score_chosen - score_rejected)`` per pair (Ouyang
+et al. 2022; TRL's ``RewardTrainer`` without a margin), on the scalar scores of a value head.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PREFERENCE_LOSSES", "check_preference_loss", "preference_loss"]
+__all__ = ["PREFERENCE_LOSSES", "bradley_terry_loss", "check_preference_loss", "preference_loss"]
 
 PREFERENCE_LOSSES = ("sigmoid", "ipo", "simpo")
 # Losses that read reference log-probs.
@@ -78,3 +81,15 @@ def preference_loss(
         "logps/rejected": rejected_logps.detach(),
     }
     return per_pair, metrics
+
+
+def bradley_terry_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor
+                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(loss of each pair [B], per-pair metrics) of a reward model's scores (module docstring).
+
+    Metrics, detached [B] each: ``accuracy`` (1.0 where the chosen answer scores higher), ``margin``
+    (chosen minus rejected score), ``scores/chosen``, ``scores/rejected``."""
+    diff = chosen_scores - rejected_scores
+    metrics = {"accuracy": (diff > 0).to(diff.dtype).detach(), "margin": diff.detach(),
+               "scores/chosen": chosen_scores.detach(), "scores/rejected": rejected_scores.detach()}
+    return -F.logsigmoid(diff), metrics

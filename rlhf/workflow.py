@@ -133,7 +133,8 @@ class CriticHandle(PolicyHandle):
 
 
 class RewardHandle:
-    """A rule function (`reward.fn`, scored by `RewardScorer`) or a reward-model group; adds `scores` [B]."""
+    """A rule function (`reward.fn`, scored by `RewardScorer`) or a reward-model group; adds `scores` [B].
+    With both, the model scores (`__call__`) and the rule checks (`check_scores`, validation's accuracy)."""
 
     def __init__(self, reward: RewardConfig | None, model_group: Any = None) -> None:
         self.scorer = RewardScorer(reward) if reward is not None and reward.fn else None
@@ -148,6 +149,14 @@ class RewardHandle:
             gts = batch["ground_truth"] if "ground_truth" in batch else [None] * len(batch)
             batch["scores"] = self.scorer.score(batch["prompt"], batch["response_text"], gts)
         return batch
+
+    def check_scores(self, batch: Batch) -> torch.Tensor:
+        """The scores validation's accuracy counts: the rule's when a reward model scores the batch and the
+        prompts have ground truths, else the batch's `scores`."""
+        gts = batch["ground_truth"] if "ground_truth" in batch else [None]  # noqa: SIM401 - Batch has no .get
+        if self.model_group is None or self.scorer is None or all(g is None for g in gts):
+            return batch["scores"]
+        return self.scorer.score(batch["prompt"], batch["response_text"], gts)
 
     def pop_metrics(self) -> dict[str, float]:
         """Reward calls scored by the fallback since the last call (`reward/errors`, `reward/timeouts`)."""
@@ -215,9 +224,8 @@ class Roles:
             if cfg.critic.enabled:
                 handles["critic"] = CriticHandle(role_group("critic", cfg.critic, cfg, run_dir, CriticWorker))
             if cfg.reward.model_path:  # the config is left as saved: reward.model_path is passed, not written
-                reward.shutdown()
-                reward = RewardHandle(None, role_group("reward_model", cfg.reward_model, cfg, run_dir,
-                                                       RewardModelWorker, model_path=cfg.reward.model_path))
+                reward.model_group = role_group("reward_model", cfg.reward_model, cfg, run_dir, RewardModelWorker,
+                                                model_path=cfg.reward.model_path)
             # Sampled-token logprobs after temperature (the sampling distribution) when it is not 1.
             mode = "raw_logprobs" if temp == 1.0 else "processed_logprobs"
             r = cfg.rollout

@@ -1,4 +1,5 @@
-"""`rlhf train CONFIG [OVERLAY.yaml ...] [KEY=VALUE ...]`: run a GRPO, PPO, SFT, DPO or pretraining config."""
+"""`rlhf train CONFIG [OVERLAY.yaml ...] [KEY=VALUE ...]`: run a GRPO, PPO, SFT, DPO, reward-model or
+pretraining config."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train with a YAML config (algorithm.name: grpo | ppo | sft | pretrain | dpo)")
+    p = sub.add_parser("train", help="train with a YAML config (algorithm.name: grpo | ppo | sft | pretrain | dpo | rm)")
     p.add_argument("config", help="YAML preset, e.g. configs/grpo_tiny.yaml")
     p.add_argument("overrides", nargs="*",
                    help="overlay YAML files (e.g. from `rlhf plan --out`, merged in order) and dotted overrides, "
@@ -52,6 +53,10 @@ def run(args: argparse.Namespace) -> int:
         from rlhf.driver.dpo import run_dpo
 
         run_dpo(cfg)
+    elif cfg.algorithm.name == "rm":
+        from rlhf.driver.rm import run_rm
+
+        run_rm(cfg)
     elif cfg.algorithm.name in ("sft", "pretrain"):
         from rlhf.driver.lm import run_lm
 

@@ -96,7 +96,10 @@ class DataConfig:
 @dataclass
 class RewardConfig:
     fn: str | None = "exact_match"  # a name in algorithms.list_rewards() or "module:function"
-    model_path: str | None = None  # a reward-model group instead of a function
+    # A reward-model group instead of the function: an HF folder with `score.weight` (what `algorithm.name: rm`
+    # exports) or a causal LM (its value head then starts untrained). With both set, the model scores the
+    # training rollouts and `fn` still scores validation (val/accuracy); val/reward_mean is the model's.
+    model_path: str | None = None
     # A call of reward.fn that raises, returns anything but a finite number or takes longer than timeout_s
     # (module:function rewards run in num_workers processes): "fallback" scores it fallback_score and counts it
     # (reward/errors, reward/timeouts); "fail" stops the run naming the function and the sample.
@@ -110,7 +113,10 @@ class RewardConfig:
 class DPOConfig(PreferenceLossConfig):
     """`algorithm.name: dpo`: the preference loss (`PreferenceLossConfig`) and where the reference log-probs
     come from. "precompute": one forward pass of the starting policy over the train and validation pairs
-    before the first step, cached in the run dir (``reference_logps.safetensors``) for resumes."""
+    before the first step, cached in the run dir (``reference_logps.safetensors``) for resumes. "group": a
+    frozen reference worker group (the `reference` section: layout, micro batch, resources) with the
+    starting weights computes each batch's reference log-probs during the step (no cache, one more model in
+    memory)."""
 
     reference: str = "precompute"
 
@@ -139,7 +145,7 @@ class AlgorithmConfig(PPOLossConfig, ValueLossConfig):
     ``norm_by_std``.
     """
 
-    name: str = "grpo"  # grpo | ppo | sft | pretrain | dpo
+    name: str = "grpo"  # grpo | ppo | sft | pretrain | dpo | rm (a reward model on preference pairs)
     adv_estimator: str = "grpo"
     norm_by_std: bool = True  # grpo: divide by the group std (false: Dr. GRPO)
     gamma: float = 1.0

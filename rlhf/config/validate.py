@@ -31,8 +31,10 @@ from workers.megatron.deepseek_config import latent_size_error
 from workers.rollout.config import EngineOptions
 from workers.rollout.sampling import SamplingConfig
 
-ALGORITHMS = ("grpo", "ppo", "sft", "pretrain", "dpo")
-DPO_REFERENCES = ("precompute",)  # algorithm.dpo.reference
+ALGORITHMS = ("grpo", "ppo", "sft", "pretrain", "dpo", "rm")
+LM_STAGES = ("sft", "pretrain", "dpo", "rm")  # algorithm names trained by the LM runner (rlhf.driver.lm)
+PAIR_STAGES = ("dpo", "rm")  # ... on preference pairs (rlhf.driver.pairs)
+DPO_REFERENCES = ("precompute", "group")  # algorithm.dpo.reference
 OVERLONG_PROMPTS = ("drop", "fail")  # data.overlong_prompts (rlhf.data.prompts.PromptLimit.mode)
 
 
@@ -237,10 +239,12 @@ def validate_config(cfg: RunConfig) -> None:
     roles = ["policy"]
     if a.name in ("grpo", "ppo"):
         roles += [n for n in ("reference", "critic", "reward_model") if getattr(cfg, n).enabled]
+    elif a.name == "dpo" and a.dpo.reference == "group" and a.dpo.loss != "simpo":
+        roles.append("reference")
     for name in roles:
         _check_role(name, getattr(cfg, name), shape)
     _check_routing_replay(cfg)
-    if a.name in ("sft", "pretrain", "dpo"):
+    if a.name in LM_STAGES:
         _require(d.seq_length <= shape.max_positions, "data.seq_length",
                  f"at most the model's max_position_embeddings ({shape.max_positions})", d.seq_length)
         _check_lm_batches(cfg)
@@ -399,10 +403,10 @@ def _check_lm_stage(cfg: RunConfig) -> None:
             parse_split(d.split)
         except UserError as e:
             raise ConfigError(f"data.split: {e}") from None
-    elif cfg.algorithm.name == "dpo":
+    elif cfg.algorithm.name in PAIR_STAGES:
         if not d.train_file and not d.task:
-            raise ConfigError("data.train_file: DPO needs a jsonl of preference pairs (messages or prompt, with "
-                              "chosen and rejected) or data.task")
+            raise ConfigError(f"data.train_file: {cfg.algorithm.name} needs a jsonl of preference pairs (messages "
+                              f"or prompt, with chosen and rejected) or data.task")
     elif not d.train_file and not d.task:
         raise ConfigError("data.train_file: SFT needs a jsonl of conversations (messages / conversations) "
                           "or data.task")

@@ -1,4 +1,4 @@
-"""Preference pairs for DPO: `PairDataset` (jsonl) and `collate_pairs`.
+"""Preference pairs for DPO and the reward model: `PairDataset` (jsonl), `collate_pairs`, `scored_pairs`.
 
 Accepted records (one per jsonl line):
 - chat: `{"messages": [prompt turns], "chosen": answer, "rejected": answer}`; an answer is a string or a list
@@ -14,7 +14,10 @@ rejected.
 
 Item: `{"chosen": sft item, "rejected": sft item}` (keys of `rlhf.data.sft.sample_tensors`). `collate_pairs`
 gives one row per pair: `chosen_<k>` and `rejected_<k>` for k in tokens, labels, loss_mask, position_ids,
-each [B, seq_length] (the layout of `workers.roles.preference`).
+each [B, seq_length] (the layout of `workers.roles.preference`). `scored_pairs` turns that batch into the
+reward model's (`workers.roles.reward_model`): each answer's whole sequence, prompt through the answer's end of
+turn (the last trained token; a chat template's text after it is not scored), as `<side>_input_ids` and
+`<side>_attention_mask` [B, seq_length + 1], right-padded with the pad id.
 """
 
 from __future__ import annotations
@@ -126,4 +129,18 @@ def collate_pairs(items: Sequence[dict[str, dict[str, torch.Tensor]]], pad: int,
     for side in SIDES:
         for k, v in collate_sft([it[side] for it in items], pad, seq_length).items():
             out[f"{side}_{k}"] = v
+    return out
+
+
+def scored_pairs(batch: dict[str, torch.Tensor], pad: int) -> dict[str, torch.Tensor]:
+    """The reward model's pair layout of a `collate_pairs` batch (module docstring), padded with `pad`."""
+    out: dict[str, torch.Tensor] = {}
+    for side in SIDES:
+        tokens, labels, mask = batch[f"{side}_tokens"], batch[f"{side}_labels"], batch[f"{side}_loss_mask"]
+        ids = torch.cat([tokens[:, :1], labels], dim=1)  # ids[t + 1] = labels[t]
+        cols = torch.arange(ids.shape[1])
+        last = (mask != 0).to(torch.long).mul(torch.arange(1, mask.shape[1] + 1)).argmax(1) + 1  # last trained id
+        attn = (cols[None, :] <= last[:, None]).to(torch.long)
+        out[f"{side}_input_ids"] = torch.where(attn.bool(), ids, pad)
+        out[f"{side}_attention_mask"] = attn
     return out

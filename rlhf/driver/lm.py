@@ -19,12 +19,12 @@ from typing import Any
 
 from rlhf.config import RunConfig
 from rlhf.driver.checkpoints import CheckpointManager, export_hf, rng_state, set_rng_state
-from rlhf.driver.lm_data import LMData, build_lm_data, check_lm_inputs, tokenizer_path
+from rlhf.driver.lm_data import build_lm_data, check_lm_inputs, tokenizer_path
 from rlhf.driver.metrics import MetricsLogger
 from rlhf.driver.scaffold import RunScaffold
 from rlhf.errors import NonFiniteError, UserError
 
-ROLE = "policy"
+ROLE = "policy"  # the worker group of the pretraining, SFT and DPO stages (and its checkpoint folder)
 
 
 def global_batch_size(cfg: RunConfig) -> int:
@@ -39,27 +39,29 @@ def schedule_of(cfg: RunConfig) -> dict[str, Any]:
             "policy.optim.lr_decay_style": o.lr_decay_style, "trainer.total_steps": cfg.trainer.total_steps}
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """The role folder to load for `trainer.load`: accepts a run dir, its checkpoints/ folder, a step
+def resolve_checkpoint(path: str | Path, role: str = ROLE) -> Path:
+    """The `role` folder to load for `trainer.load`: accepts a run dir, its checkpoints/ folder, a step
     folder or the role folder itself (a dist_checkpointing directory)."""
     p = Path(path)
     for pointer in (p / "checkpoints" / "latest", p / "latest"):
         if pointer.is_file():
             p = pointer.parent / pointer.read_text().strip()
             break
-    if (p / ROLE / "metadata.json").is_file():
-        return p / ROLE
+    if (p / role / "metadata.json").is_file():
+        return p / role
     if (p / "metadata.json").is_file():
         return p
     raise UserError(f"trainer.load: {p} is not a checkpoint (expected a run dir, its checkpoints/ folder, "
                     f"a step-N folder or a dist_checkpointing folder with metadata.json)")
 
 
-def make_group(cfg: RunConfig, out: Path) -> Any:
+def make_group(cfg: RunConfig, out: Path, role: str = ROLE, worker_cls: type | None = None) -> Any:
+    """The trained model's worker group (settings from the `policy` section, whatever the stage) named
+    `role`: `PolicyWorker` unless `worker_cls` is given."""
     from rlhf.workflow import role_group
     from workers.roles import PolicyWorker
 
-    return role_group(ROLE, cfg.policy, cfg, out, PolicyWorker, optimizer_steps=cfg.trainer.total_steps)
+    return role_group(role, cfg.policy, cfg, out, worker_cls or PolicyWorker, optimizer_steps=cfg.trainer.total_steps)
 
 
 def _check_schedule(saved: dict[str, Any] | None, cfg: RunConfig, where: Path) -> None:
@@ -73,9 +75,20 @@ def _check_schedule(saved: dict[str, Any] | None, cfg: RunConfig, where: Path) -
 
 
 class LMRun:
-    """One pretraining / SFT run: data, worker group, metrics and checkpoints, inside a `RunScaffold`."""
+    """One pretraining / SFT run: data, worker group, metrics and checkpoints, inside a `RunScaffold`.
+    Subclasses (DPO, the reward model) change the batches and metrics (`train_step`, `validate`), the
+    worker class and role name (`worker_class`, `role`) and what happens before the first step (`start`)."""
 
-    def __init__(self, cfg: RunConfig, data: LMData, group: Any, frame: RunScaffold) -> None:
+    role = ROLE
+
+    @classmethod
+    def worker_class(cls) -> type:
+        """The Ray worker class of the trained model."""
+        from workers.roles import PolicyWorker
+
+        return PolicyWorker
+
+    def __init__(self, cfg: RunConfig, data: Any, group: Any, frame: RunScaffold) -> None:
         self.cfg, self.data, self.group, self.frame = cfg, data, group, frame
         self.gbs = global_batch_size(cfg)
         self.step = 0
@@ -90,7 +103,7 @@ class LMRun:
         if latest is not None:
             state = CheckpointManager.driver_state(latest)
             _check_schedule(state.get("schedule"), self.cfg, latest)
-            self.group.load_checkpoint(str(latest / ROLE), load_optimizer=True, load_rng=True,
+            self.group.load_checkpoint(str(latest / self.role), load_optimizer=True, load_rng=True,
                                        trust=self.cfg.trainer.trust_checkpoint)
             self.data.order.load_state_dict(state["data"])
             set_rng_state(state["rng"])
@@ -99,7 +112,7 @@ class LMRun:
             self.skipped_total = int(state.get("skipped_total", 0))
             print(f"resumed from {latest} at step {self.step}", flush=True)
         elif t.load:
-            path = resolve_checkpoint(t.load)
+            path = resolve_checkpoint(t.load, self.role)
             if not t.no_load_optim:
                 step_dir = path.parent
                 if (step_dir / "driver_state.json").is_file():
@@ -112,7 +125,11 @@ class LMRun:
         state = {"data": self.data.order.state_dict(), "rng": rng_state(), "schedule": schedule_of(self.cfg),
                  "consecutive_nonfinite": self.consecutive_nonfinite, "skipped_total": self.skipped_total,
                  "algorithm": self.cfg.algorithm.name, "global_batch_size": self.gbs}
-        return self.frame.ckpt.save(self.step, state, lambda tmp: self.group.save_checkpoint(str(tmp / ROLE)))
+        return self.frame.ckpt.save(self.step, state, lambda tmp: self.group.save_checkpoint(str(tmp / self.role)))
+
+    def start(self) -> None:
+        """Before the first step of this process: resume or load (`restore`)."""
+        self.restore()
 
     # ---- steps --------------------------------------------------------------------------------
     def validate(self) -> dict[str, float]:
@@ -175,6 +192,23 @@ class LMRun:
         return last
 
 
+def run_stage(cfg: RunConfig, data: Any, run_cls: type[LMRun]) -> dict[str, float]:
+    """Run an LM-style stage on prepared `data` (inputs already checked): the worker group of
+    `run_cls.worker_class()` inside a `RunScaffold`, `start`, the steps, then the HF export; the last step's
+    metrics."""
+    out = Path(cfg.trainer.output_dir)
+    if cfg.trainer.load:
+        CheckpointManager.check_trusted(resolve_checkpoint(cfg.trainer.load, run_cls.role), cfg.trainer.trust_checkpoint)
+    with RunScaffold(cfg) as frame:
+        group = frame.own(make_group(cfg, out, run_cls.role, run_cls.worker_class()))
+        run = run_cls(cfg, data, group, frame)
+        run.start()
+        last = run.run(frame.metrics_logger(run.step))
+        if cfg.trainer.export_hf:
+            export_hf(out / "hf", lambda d: group.save_hf_weights(d, tokenizer_path(cfg)))
+    return last
+
+
 def run_lm(cfg: RunConfig) -> dict[str, float]:
     """Pretrain or SFT as configured; returns the last step's metrics. Inputs are checked (UserError)
     before Ray or any worker starts."""
@@ -183,14 +217,4 @@ def run_lm(cfg: RunConfig) -> dict[str, float]:
     check_lm_inputs(cfg)
     out = Path(cfg.trainer.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    data = build_lm_data(cfg, global_batch_size(cfg), str(out))
-    if cfg.trainer.load:
-        CheckpointManager.check_trusted(resolve_checkpoint(cfg.trainer.load), cfg.trainer.trust_checkpoint)
-    with RunScaffold(cfg) as frame:
-        group = frame.own(make_group(cfg, out))
-        run = LMRun(cfg, data, group, frame)
-        run.restore()
-        last = run.run(frame.metrics_logger(run.step))
-        if cfg.trainer.export_hf:
-            export_hf(out / "hf", lambda d: group.save_hf_weights(d, tokenizer_path(cfg)))
-    return last
+    return run_stage(cfg, build_lm_data(cfg, global_batch_size(cfg), str(out)), LMRun)

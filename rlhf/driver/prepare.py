@@ -1,13 +1,13 @@
 """Inputs of a run, made ready before any worker starts: task data, the model folder, the reward function.
 
 - `data.task` (one of `TASKS`) with no `data.train_file`: the example task's files are generated under the run
-  dir (RL prompts, SFT conversations; for arithmetic also DPO pairs, pretraining text and its Megatron
-  indexed form).
+  dir (RL prompts, SFT conversations; for arithmetic also preference pairs (DPO, RM), pretraining text and
+  its Megatron indexed form).
 - `model.preset` with no `model.path`: the tiny model is created under the run dir, then warm-started with a
-  short plain SFT when `model.warm_start_steps > 0` (RL and DPO; with `model.warm_start_backend: megatron`
-  the RL runner does it on the policy's backend once Ray is up): on the task's Q/A pairs, or on its SFT
-  conversations (multiply_tool: calculator-call traces with their results; code_functions: reference
-  solutions).
+  short plain SFT when `model.warm_start_steps > 0` (RL, DPO and the reward model; with
+  `model.warm_start_backend: megatron` the RL runner does it on the policy's backend once Ray is up): on the
+  task's Q/A pairs, or on its SFT conversations (multiply_tool: calculator-call traces with their results;
+  code_functions: reference solutions).
 Everything generated is reused when it already exists, so a resumed run starts from the same files.
 """
 
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlhf.config.schema import RunConfig
+from rlhf.config.validate import PAIR_STAGES
 from rlhf.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ def _task_data(cfg: RunConfig, out: Path) -> None:
         raise ConfigError(f"data.task: expected one of {', '.join(TASKS)} or null, got {d.task!r}")
     if cfg.algorithm.name == "pretrain" and d.task != "arithmetic":
         raise ConfigError(f"data.task: {d.task} has no pretraining text (only arithmetic has)")
-    if cfg.algorithm.name == "dpo" and d.task != "arithmetic":
+    if cfg.algorithm.name in PAIR_STAGES and d.task != "arithmetic":
         raise ConfigError(f"data.task: {d.task} has no preference pairs (only arithmetic has)")
     import importlib
 
@@ -48,7 +49,7 @@ def _task_data(cfg: RunConfig, out: Path) -> None:
     data_dir = out / "data"
     if not (data_dir / "rl_val.jsonl").is_file():
         write(data_dir, seed=d.seed, val_size=d.val_size or default_val)
-    if cfg.algorithm.name == "dpo":
+    if cfg.algorithm.name in PAIR_STAGES:
         from rlhf.data.arithmetic import write_preference_data
 
         if not (data_dir / "dpo_val.jsonl").is_file():
@@ -94,7 +95,7 @@ def _model(cfg: RunConfig, out: Path) -> None:
         if not cfg.data.task:
             raise ConfigError("model.warm_start_steps needs data.task (the task's Q/A pairs to fine-tune on)")
         return  # run_rl trains it once Ray is up (rlhf.driver.warmstart_megatron)
-    if m.warm_start_steps > 0 and cfg.algorithm.name in ("grpo", "ppo", "dpo"):
+    if m.warm_start_steps > 0 and cfg.algorithm.name in ("grpo", "ppo", *PAIR_STAGES):
         warm = out / "model" / f"warm_start_{m.warm_start_steps}"
         if not (warm / "model.safetensors").is_file():
             if not cfg.data.task:
@@ -128,8 +129,8 @@ def warm_start_items(cfg: RunConfig, out: Path) -> list:
 
         path = out / "data" / "sft_train.jsonl"
         return [normalize_conversation(rec, f"{path}:{n}") for n, rec in read_jsonl(path)]
-    # DPO: the task's Q/A pairs are in its RL prompt file (its train file holds the preference pairs)
-    qa = cfg.data.train_file if cfg.algorithm.name != "dpo" else str(out / "data" / "rl_train.jsonl")
+    # DPO, RM: the task's Q/A pairs are in its RL prompt file (their train file holds the preference pairs)
+    qa = cfg.data.train_file if cfg.algorithm.name not in PAIR_STAGES else str(out / "data" / "rl_train.jsonl")
     train, _ = load_prompt_dataset(qa, answer_key=cfg.data.answer_key, seed=cfg.data.seed)
     return [(p["prompt"] or p["messages"], p["ground_truth"]) for p in train]
 
@@ -195,15 +196,19 @@ def prepare_inputs(cfg: RunConfig) -> RunConfig:
     if rl:
         from rlhf.driver.rewards import check_reward_fn
 
-        if cfg.reward.fn and not cfg.reward.model_path:
+        if cfg.reward.fn:  # also beside reward.model_path: it scores validation
             check_reward_fn(cfg.reward)
+        if cfg.reward.model_path and not (Path(cfg.reward.model_path) / "config.json").is_file():
+            raise ConfigError(f"reward.model_path: {cfg.reward.model_path} is not an HF model folder (no config.json); "
+                              f"train a reward model with algorithm.name=rm (e.g. configs/rm_tiny.yaml), which "
+                              f"exports one to <output_dir>/hf")
         if not cfg.data.train_file:
             raise ConfigError(f"data.train_file: expected a jsonl or parquet prompt file (or data.task: one of "
                               f"{', '.join(TASKS)})")
         load_rl_prompts(cfg, report=False, check_lengths=False)  # a bad file fails before any model work
         _check_eval_tasks(cfg)
-    if cfg.algorithm.name == "dpo":  # a bad pair (chosen == rejected, empty answer) fails before any model work
-        from rlhf.driver.dpo import check_pair_files
+    if cfg.algorithm.name in PAIR_STAGES:  # a bad pair (chosen == rejected, empty answer) fails before model work
+        from rlhf.driver.pairs import check_pair_files
 
         check_pair_files(cfg)
     _model(cfg, out)

@@ -26,18 +26,21 @@ StepFn = Callable[[Roles, StepContext], dict[str, float]]
 
 
 def validate(roles: Roles, prompts: list[dict[str, Any]], batch_size: int = 256) -> dict[str, float]:
-    """Greedy decoding on held-out prompts: mean reward and exact-match accuracy; with tools or an environment
+    """Greedy decoding on held-out prompts: mean reward and exact-match accuracy (by `reward.fn` also when a
+    reward model gives the reward, `RewardHandle.check_scores`); with tools or an environment
     the rollout runs the agent loop here too, and its `agent/*` metrics are reported as `val/agent/*`."""
     from workers.agent.metrics import merge_agent_metrics
 
-    scores, infos = [], []
+    scores, checks, infos = [], [], []
     for i in range(0, len(prompts), batch_size):
         batch = roles.rollout.generate(prompts[i: i + batch_size], n=1, temperature=0.0, seed=0)
         scores.append(roles.reward(batch)["scores"])
+        checks.append(roles.reward.check_scores(batch))
         infos.append((batch.info, len(batch)))
     s = torch.cat(scores) if scores else torch.zeros(0)
+    c = torch.cat(checks) if checks else torch.zeros(0)
     agent = {f"val/{k}": v for k, v in merge_agent_metrics(infos).items()}
-    return {"val/reward_mean": float(s.mean()) if len(s) else 0.0, "val/accuracy": accuracy(s), **agent}
+    return {"val/reward_mean": float(s.mean()) if len(s) else 0.0, "val/accuracy": accuracy(c), **agent}
 
 
 def eval_tasks(cfg: RunConfig) -> Callable[[Roles], dict[str, float]] | None:

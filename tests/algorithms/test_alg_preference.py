@@ -129,3 +129,38 @@ def test_simpo_ignores_the_reference_and_metrics() -> None:
         preference_loss(c, r, None, None, n, n, loss="sigmoid")
     with pytest.raises(ValueError, match="unknown preference loss 'kto'"):
         preference_loss(c, r, c, r, n, n, loss="kto")
+
+
+def test_bradley_terry_equals_trl_reward_trainer() -> None:
+    """TRL 1.16's `RewardTrainer.compute_loss` (no margin, no centring) on a stand-in model whose logits are
+    the scores [chosen; rejected]; ours is the per-pair loss, averaged here as TRL does."""
+    from algorithms import bradley_terry_loss
+
+    trl_rm = pytest.importorskip("trl.trainer.reward_trainer", reason="TRL is not installed")
+    g = torch.Generator().manual_seed(5)
+    scores = torch.randn(2 * B, generator=g, dtype=torch.float64) * 3
+
+    class _RM:
+        training = True
+
+        def __init__(self, s: torch.Tensor) -> None:
+            self.s = s
+
+        def __call__(self, **_: object) -> SimpleNamespace:
+            return SimpleNamespace(logits=self.s[:, None])
+
+    def trl(x: torch.Tensor) -> torch.Tensor:
+        model = _RM(x)
+        acc = SimpleNamespace(gather=lambda t: t, gather_for_metrics=lambda t: t)
+        trainer = SimpleNamespace(model=model, accelerator=acc, args=SimpleNamespace(center_rewards_coefficient=None),
+                                  _total_train_tokens=0, _tp_size=1, _metrics={"train": defaultdict(list)})
+        inputs = {"input_ids": torch.zeros(2 * B, S, dtype=torch.long), "attention_mask": torch.ones(2 * B, S)}
+        return trl_rm.RewardTrainer.compute_loss(trainer, model, inputs)
+
+    def ours(x: torch.Tensor) -> torch.Tensor:
+        losses, m = bradley_terry_loss(*x.chunk(2))
+        c, r = x.detach().chunk(2)
+        assert torch.equal(m["accuracy"], (c > r).double()) and torch.allclose(m["margin"], c - r)
+        return losses.mean()
+
+    _both(trl, ours, {"logps": scores})

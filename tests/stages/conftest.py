@@ -1,4 +1,4 @@
-"""Inputs for the pretraining / SFT stage tests: a tiny model, an indexed pretraining set, SFT jsonl files."""
+"""Inputs for the stage tests: a tiny model, an indexed pretraining set, SFT jsonl files, preference pairs."""
 
 from __future__ import annotations
 
@@ -40,3 +40,33 @@ def lm_overrides(inputs: dict[str, str], algo: str, out: Path, *extra: str) -> l
     else:
         base += [f"data.train_file={inputs['sft_train']}", f"data.val_file={inputs['sft_val']}"]
     return base + list(extra)
+
+
+@pytest.fixture(scope="session")
+def pair_files(tiny_model_factory, tmp_path_factory) -> dict[str, str]:
+    """model (tiny-qwen2), train (8 arithmetic pairs: correct vs wrong sum; one global batch, so each step sees
+    the same pairs) and val (16 held-out pairs) jsonl files, for the DPO and reward-model stage tests."""
+    import random
+
+    from rlhf.data.arithmetic import preference_record, split_pairs
+
+    d = tmp_path_factory.mktemp("pair_data")
+    train, val = split_pairs(seed=0, val_size=16)
+    rng = random.Random(0)
+    for name, pairs in (("train", train[:8]), ("val", val)):
+        recs = [preference_record(a, b, rng) for a, b in pairs]
+        (d / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return {"model": tiny_model_factory("tiny-qwen2"), "train": str(d / "train.jsonl"), "val": str(d / "val.jsonl")}
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """An embedded Ray for the module's runs (4 CPUs: a DP2 or PP2 group beside a reference group)."""
+    import ray
+
+    from rlhf.config.schema import TrainerConfig
+    from rlhf.driver.ray_env import init_ray
+
+    init_ray(TrainerConfig(ray_num_cpus=4))
+    yield
+    ray.shutdown()

@@ -1,17 +1,18 @@
 """DPO end to end on the real stack (Ray actors, megatron-core over gloo, CPU), and its bad-input errors.
 
-Run A: sigmoid DPO at TP1, 3 steps on the same 8 arithmetic pairs (correct vs wrong sum), validation on 16
-held-out pairs, reference log-probs precomputed; run B: the same at TP2 for 2 steps. The reference log-probs
-must equal transformers' on the HF model, the first step's loss is exactly log 2 (policy = reference), the
-loss falls and the update does not depend on the layout. (Learning on the arithmetic task is the
-`dpo_tiny` example's job, in `make examples`.)
+Run A: sigmoid DPO at TP1, 4 steps on the same 8 arithmetic pairs (correct vs wrong sum), validation on 16
+held-out pairs, reference log-probs precomputed, a checkpoint at step 2. The reference log-probs must equal
+transformers' on the HF model, the first step's loss is exactly log 2 (policy = reference) and the loss
+falls. Then, 2 steps each: TP2, DP2 and PP2 (the PP2 run with `reference: group`, a frozen reference worker
+group) give A's update; A resumed from its step-2 checkpoint gives A's steps 3 and 4; IPO and SimPO run end
+to end. (Learning on the arithmetic task is the `dpo_tiny` example's job, in `make examples`.)
 """
 
 from __future__ import annotations
 
 import json
 import math
-import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -22,39 +23,14 @@ from rlhf.driver.metrics import read_metrics
 from rlhf.errors import UserError
 
 
-@pytest.fixture(scope="module")
-def pair_files(tiny_model_factory, tmp_path_factory) -> dict[str, str]:
-    from rlhf.data.arithmetic import preference_record, split_pairs
-
-    d = tmp_path_factory.mktemp("dpo_data")
-    train, val = split_pairs(seed=0, val_size=16)
-    rng = random.Random(0)
-    for name, pairs in (("train", train[:8]), ("val", val)):  # one global batch: each step sees the same pairs
-        recs = [preference_record(a, b, rng) for a, b in pairs]
-        (d / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    return {"model": tiny_model_factory("tiny-qwen2"), "train": str(d / "train.jsonl"), "val": str(d / "val.jsonl")}
-
-
 def overrides(files: dict[str, str], out: Path, *extra: str) -> list[str]:
     return [f"model.path={files['model']}", "algorithm.name=dpo", "algorithm.dpo.beta=0.5",
             f"data.train_file={files['train']}", f"data.val_file={files['val']}", "data.seq_length=32",
-            "trainer.total_steps=3", "trainer.global_batch_size=8", "policy.micro_batch_size=4",
+            "trainer.total_steps=4", "trainer.global_batch_size=8", "policy.micro_batch_size=4",
             "policy.optim.lr=1e-3", "policy.optim.warmup_steps=0", "policy.optim.lr_decay_style=constant",
             "trainer.eval_iters=1", "trainer.progress_bar=false", "trainer.tensorboard=false",
-            "trainer.export_hf=false", "policy.resources.num_cpus_per_worker=0.5", f"trainer.output_dir={out}",
-            *extra]
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    from rlhf.config.schema import TrainerConfig
-    from rlhf.driver.ray_env import init_ray
-
-    init_ray(TrainerConfig(ray_num_cpus=4))
-    yield
-    ray.shutdown()
+            "trainer.export_hf=false", "policy.resources.num_cpus_per_worker=0.5",
+            "reference.resources.num_cpus_per_worker=0.5", f"trainer.output_dir={out}", *extra]
 
 
 def run(files: dict, out: Path, *extra: str) -> list[dict]:
@@ -67,7 +43,7 @@ def run(files: dict, out: Path, *extra: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def run_a(ray_session, pair_files, tmp_path_factory):
     out = tmp_path_factory.mktemp("dpo_a")
-    return out, run(pair_files, out)
+    return out, run(pair_files, out, "trainer.save_every=2")
 
 
 def hf_answer_logps(model_dir: str, batch: dict, side: str) -> torch.Tensor:
@@ -87,7 +63,7 @@ def test_dpo_learns_with_reference_and_validation(run_a, pair_files):
 
     out, rows = run_a
     by = {r["step"]: r for r in rows}
-    assert sorted(s for s in by if s > 0) == [1, 2, 3]
+    assert sorted(s for s in by if s > 0) == [1, 2, 3, 4]
     assert by[1]["loss"] == pytest.approx(math.log(2), abs=1e-5)  # step 1: the policy is the reference
     assert by[1]["rewards/margin"] == pytest.approx(0.0, abs=1e-5)
     losses = [by[s]["loss"] for s in (1, 2, 3)]
@@ -95,7 +71,7 @@ def test_dpo_learns_with_reference_and_validation(run_a, pair_files):
     assert by[3]["rewards/margin"] > 0 and by[3]["rewards/accuracy"] > 0.5
     assert by[3]["logps/chosen"] < 0 and by[3]["logps/rejected"] < 0
     assert by[0]["val/loss"] == pytest.approx(math.log(2), abs=1e-5)
-    assert by[3]["val/loss"] != by[0]["val/loss"] and 0 <= by[3]["val/rewards/accuracy"] <= 1
+    assert by[4]["val/loss"] != by[0]["val/loss"] and 0 <= by[4]["val/rewards/accuracy"] <= 1
     ref = load_file(str(out / "reference_logps.safetensors"))
     ds = PairDataset(pair_files["train"], pair_files["model"], 32)
     batch = ds.collate([ds[i] for i in range(8)])
@@ -104,14 +80,54 @@ def test_dpo_learns_with_reference_and_validation(run_a, pair_files):
         assert torch.allclose(ref[f"train_{side}"][:8], want, atol=1e-4), (ref[f"train_{side}"][:8], want)
 
 
-def test_tp2_matches_tp1(run_a, pair_files, tmp_path):
-    rows = run(pair_files, tmp_path / "tp2", "policy.parallel.tp=2", "trainer.total_steps=2", "trainer.eval_iters=0")
+@pytest.mark.parametrize("layout", [
+    ("policy.parallel.tp=2",),
+    ("policy.parallel.dp=2",),
+    ("policy.parallel.pp=2", "algorithm.dpo.reference=group"),  # and the reference from a frozen group
+], ids=["tp2", "dp2", "pp2-reference-group"])
+def test_layouts_give_the_tp1_update(run_a, pair_files, tmp_path, layout):
+    out = tmp_path / "run"
+    rows = run(pair_files, out, *layout, "trainer.total_steps=2", "trainer.eval_iters=0")
     a = {r["step"]: r for r in run_a[1]}
     b = {r["step"]: r for r in rows}
     for step in (1, 2):
         for key in ("loss", "rewards/margin", "logps/chosen"):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-4, abs=1e-5), (step, key)
         assert b[step]["grad_norm"] == pytest.approx(a[step]["grad_norm"], rel=1e-3)
+    group = "algorithm.dpo.reference=group" in layout
+    assert (out / "reference_logps.safetensors").exists() != group  # a group computes them as the steps run
+    assert ("time/reference" in b[1]) == group
+
+
+def test_resume_two_plus_two_equals_four(run_a, pair_files, tmp_path):
+    """Run A resumed in new workers from its step-2 checkpoint, with the run dir's reference cache."""
+    out_a, rows_a = run_a
+    out = tmp_path / "resumed"
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copytree(out_a / "checkpoints" / "step-000002", out / "checkpoints" / "step-000002")
+    (out / "checkpoints" / "latest").write_text("step-000002")
+    shutil.copy2(out_a / "reference_logps.safetensors", out / "reference_logps.safetensors")
+    rows = run(pair_files, out, "trainer.save_every=2", "trainer.resume=auto")
+    assert [r["step"] for r in rows] == [3, 4]
+    want, got = {r["step"]: r for r in rows_a}, {r["step"]: r for r in rows}
+    for key in ("loss", "grad_norm", "lr", "rewards/margin", "consumed_samples", "val/loss"):
+        for step in (3, 4):
+            if key in want[step]:
+                assert got[step][key] == pytest.approx(want[step][key], rel=1e-6, abs=1e-7), (key, step)
+
+
+@pytest.mark.parametrize("loss", ["ipo", "simpo"])
+def test_ipo_and_simpo_train_end_to_end(ray_session, pair_files, tmp_path, loss):
+    out = tmp_path / loss
+    rows = run(pair_files, out, f"algorithm.dpo.loss={loss}", "trainer.total_steps=2", "trainer.eval_iters=0",
+               *(["algorithm.dpo.beta=2.0", "algorithm.dpo.simpo_gamma=0.5"] if loss == "simpo" else []))
+    by = {r["step"]: r for r in rows}
+    if loss == "ipo":  # policy = reference at step 1: every log-ratio is 0, the loss (0 - 1 / (2 beta))^2
+        assert by[1]["loss"] == pytest.approx(1.0, abs=1e-5) and by[1]["rewards/margin"] == pytest.approx(0, abs=1e-6)
+    else:  # reference-free: no reference pass; the margin is beta x the length-normalised log-prob gap
+        assert not (out / "reference_logps.safetensors").exists()
+        assert by[1]["rewards/margin"] != 0 and by[1]["rewards/chosen"] < 0
+    assert by[2]["loss"] < by[1]["loss"] and math.isfinite(by[2]["grad_norm"]), (by[1], by[2])
 
 
 @pytest.mark.parametrize("record,message", [
@@ -120,13 +136,14 @@ def test_tp2_matches_tp1(run_a, pair_files, tmp_path):
     ({"messages": [{"role": "user", "content": "hi"}], "chosen": "a", "rejected": ""}, "the rejected answer is empty"),
     ({"prompt": "What is 1+1?", "chosen": "2"}, "missing key 'rejected'"),
 ])
-def test_bad_pairs_name_the_line_before_any_model_work(tmp_path, record, message):
+@pytest.mark.parametrize("algo", ["dpo", "rm"])
+def test_bad_pairs_name_the_line_before_any_model_work(tmp_path, record, message, algo):
     from rlhf.driver.prepare import prepare_inputs
 
     good = {"prompt": "What is 2+2?", "chosen": "4", "rejected": "5"}
     path = tmp_path / "pairs.jsonl"
     path.write_text(json.dumps(good) + "\n" + json.dumps(record) + "\n")
-    cfg = load_config(None, ["algorithm.name=dpo", "model.preset=tiny-qwen2", f"data.train_file={path}",
+    cfg = load_config(None, [f"algorithm.name={algo}", "model.preset=tiny-qwen2", f"data.train_file={path}",
                              f"trainer.output_dir={tmp_path / 'run'}"])
     with pytest.raises(UserError) as e:
         prepare_inputs(cfg)
@@ -151,7 +168,7 @@ def test_pair_encoding_masks_only_the_answer(tiny_model_factory):
 
 
 def test_held_out_pairs_read_their_reference_from_the_train_split(pair_files, tmp_path):
-    from rlhf.driver.dpo import build_pair_data
+    from rlhf.driver.pairs import build_pair_data
 
     cfg = load_config(None, overrides(pair_files, tmp_path / "run", "data.val_file=null", "data.val_size=3"))
     data = build_pair_data(cfg)

@@ -19,18 +19,6 @@ from rlhf.driver.metrics import read_metrics
 from tests.stages.conftest import lm_overrides
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    from rlhf.config.schema import TrainerConfig
-    from rlhf.driver.ray_env import init_ray
-
-    init_ray(TrainerConfig(ray_num_cpus=4))
-    yield
-    ray.shutdown()
-
-
 def run(inputs: dict, algo: str, out: Path, *extra: str) -> tuple[list[dict], object]:
     from rlhf.driver.lm import run_lm
 

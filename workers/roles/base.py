@@ -111,6 +111,16 @@ class MegatronWorker(Worker):
                   f"optimizer={load_optimizer} rng={load_rng})")
         return meta
 
+    @register(ONE_TO_ALL, collect="rank0")
+    def save_hf_weights(self, out_dir: str, tokenizer_path: str | None = None) -> str:
+        """Write the full weights as an HF folder (safetensors per pipeline stage + index, config.json,
+        generation config, tokenizer from `tokenizer_path` or the model folder) into `out_dir`; collective.
+        A value-head model (reward model, critic) is written as `*ForSequenceClassification` with one label
+        (`workers.roles.hf_export`)."""
+        from workers.roles.hf_export import export_hf_folder
+
+        return str(export_hf_folder(self.engine, out_dir, tokenizer_path or self.engine.model_path))
+
     def _log(self, msg: str) -> None:
         import logging
 

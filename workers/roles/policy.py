@@ -103,14 +103,6 @@ class PolicyWorker(RolloutSyncMixin, LogprobMixin, LMMixin, PreferenceMixin, Meg
         never goes through the driver). `workers.roles.weights.fetch_state_dict(refs)` merges them."""
         return put_buckets(self.engine, bucket_mb)
 
-    @register(ONE_TO_ALL, collect="rank0")
-    def save_hf_weights(self, out_dir: str, tokenizer_path: str | None = None) -> str:
-        """Write the full weights as a HF folder (safetensors per pipeline stage + index, config.json,
-        generation config, tokenizer from `tokenizer_path` or the model folder) into `out_dir`; collective."""
-        from workers.roles.hf_export import export_hf_folder
-
-        return str(export_hf_folder(self.engine, out_dir, tokenizer_path or self.engine.model_path))
-
 
 def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Logits of the sampling distribution at `temperature` (the rollout's): logits / temperature."""

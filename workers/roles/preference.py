@@ -59,25 +59,9 @@ def sequence_logps(mb: Micro, logits: torch.Tensor, vocab_size: int) -> tuple[to
     return (logp * mask).sum(-1), mask.sum(-1)
 
 
-class PreferenceMixin(MegatronWorker):
-    """DPO / IPO / SimPO steps and the reference log-prob pass on preference batches."""
-
-    @register(DP_COMPUTE, pad=False)
-    def train_preference_step(self, batch: Batch, loss_config: dict[str, Any] | PreferenceLossConfig | None = None,
-                              micro_batch_size: int | None = None) -> dict[str, float]:
-        """One optimizer step over the pairs; returns the loss and the pair means of rewards/chosen,
-        rewards/rejected, rewards/margin, rewards/accuracy, logps/chosen, logps/rejected and
-        greedy_accuracy (module docstring), with pairs, grad_norm, lr, skipped and time_s."""
-        t0 = time.monotonic()
-        out = self._preference_pass(batch, loss_config, micro_batch_size, train=True)
-        out["time_s"] = time.monotonic() - t0
-        return out
-
-    @register(DP_COMPUTE, pad=False)
-    def eval_preference(self, batch: Batch, loss_config: dict[str, Any] | PreferenceLossConfig | None = None,
-                        micro_batch_size: int | None = None) -> dict[str, float]:
-        """The metrics of `train_preference_step` without an update."""
-        return self._preference_pass(batch, loss_config, micro_batch_size, train=False)
+class PairLogpsMixin(MegatronWorker):
+    """The answers' summed log-probs of preference batches: the policy's reference pass (`reference:
+    precompute`) and the frozen reference group's (`reference: group`)."""
 
     @register(DP_COMPUTE)
     def compute_pair_logps(self, batch: Batch, micro_batch_size: int | None = None) -> Batch:
@@ -96,6 +80,27 @@ class PreferenceMixin(MegatronWorker):
         if not outs:
             return Batch()
         return Batch({k: torch.cat([o[k] for o in outs]) for k in ("chosen_logps", "rejected_logps")})
+
+
+class PreferenceMixin(PairLogpsMixin):
+    """DPO / IPO / SimPO steps on preference batches (the policy)."""
+
+    @register(DP_COMPUTE, pad=False)
+    def train_preference_step(self, batch: Batch, loss_config: dict[str, Any] | PreferenceLossConfig | None = None,
+                              micro_batch_size: int | None = None) -> dict[str, float]:
+        """One optimizer step over the pairs; returns the loss and the pair means of rewards/chosen,
+        rewards/rejected, rewards/margin, rewards/accuracy, logps/chosen, logps/rejected and
+        greedy_accuracy (module docstring), with pairs, grad_norm, lr, skipped and time_s."""
+        t0 = time.monotonic()
+        out = self._preference_pass(batch, loss_config, micro_batch_size, train=True)
+        out["time_s"] = time.monotonic() - t0
+        return out
+
+    @register(DP_COMPUTE, pad=False)
+    def eval_preference(self, batch: Batch, loss_config: dict[str, Any] | PreferenceLossConfig | None = None,
+                        micro_batch_size: int | None = None) -> dict[str, float]:
+        """The metrics of `train_preference_step` without an update."""
+        return self._preference_pass(batch, loss_config, micro_batch_size, train=False)
 
     def _preference_pass(self, batch: Batch, loss_config: Any, micro_batch_size: int | None,
                          train: bool) -> dict[str, float]:

@@ -1,4 +1,5 @@
-"""`ReferenceWorker`: a frozen copy of the policy; `compute_logprobs` only.
+"""`ReferenceWorker`: a frozen copy of the policy: `compute_logprobs` (RL batches) and `compute_pair_logps`
+(DPO's preference batches, `algorithm.dpo.reference: group`).
 
 No optimizer or gradient buffers are built. With `init_kwargs["offload"]=True` (GPU) its parameters
 stay on the CPU between calls, so it can share the policy's GPUs (colocate both on one ResourcePool).
@@ -10,9 +11,10 @@ from workers.batch import Batch
 from workers.dispatch import DP_COMPUTE, register
 from workers.roles.base import MegatronWorker
 from workers.roles.policy import LogprobMixin
+from workers.roles.preference import PairLogpsMixin
 
 
-class ReferenceWorker(LogprobMixin, MegatronWorker):
+class ReferenceWorker(LogprobMixin, PairLogpsMixin, MegatronWorker):
     trainable = False
 
     @register(DP_COMPUTE)

@@ -2,10 +2,14 @@
 Bradley-Terry training on preference pairs.
 
 `compute_scores(batch)`: `input_ids` / `attention_mask` [B, S] (any padding side) -> `scores` [B], the
-value at each row's last real token. `train_step(batch)`: pairs with `chosen_input_ids`,
-`chosen_attention_mask`, `rejected_input_ids`, `rejected_attention_mask`; loss
-`-log sigmoid(s_chosen - s_rejected)` averaged over all pairs (split-invariant). `evaluate_pairs`
-returns both scores for accuracy checks.
+value at each row's last real token (the token HF's `*ForSequenceClassification` pools when the pad id
+marks the padding, see `workers.roles.hf_export`).
+
+Pair batches (`train_step`, `eval_step`, `evaluate_pairs`): `chosen_input_ids`, `chosen_attention_mask`,
+`rejected_input_ids`, `rejected_attention_mask` [B, S] (`rlhf.data.preference.scored_pairs` makes them from
+the DPO pair layout). Their `micro_batch_size` counts pairs: a micro-batch of m pairs is one forward of 2m
+rows, chosen then rejected. The loss is `algorithms.bradley_terry_loss` summed over the pairs and divided by
+the global pair count (all DP ranks), so the update does not depend on the micro-batch count or DP size.
 """
 
 from __future__ import annotations
@@ -15,12 +19,15 @@ import time
 import torch
 import torch.nn.functional as F
 
+from algorithms import bradley_terry_loss
 from workers.batch import Batch
 from workers.dispatch import DP_COMPUTE, register
 from workers.megatron.engine import Micro
 from workers.roles.base import MegatronWorker
 from workers.roles.micro import make_micro
 from workers.roles.optimize import Metrics, run_loss
+
+PAIR_KEYS = ("chosen_input_ids", "chosen_attention_mask", "rejected_input_ids", "rejected_attention_mask")
 
 
 def last_token_index(attn: torch.Tensor) -> torch.Tensor:
@@ -31,6 +38,9 @@ def last_token_index(attn: torch.Tensor) -> torch.Tensor:
 
 def _stack_pairs(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """[chosen; rejected] ids and masks, right-padded to a common width: [2B, S]."""
+    missing = [k for k in PAIR_KEYS if k not in batch]
+    if missing:
+        raise ValueError(f"reward-model pair batch lacks {missing}; it has {batch.keys()}")
     ids, masks = [batch["chosen_input_ids"], batch["rejected_input_ids"]], \
         [batch["chosen_attention_mask"], batch["rejected_attention_mask"]]
     width = max(t.shape[1] for t in ids)
@@ -42,12 +52,20 @@ def _stack_pairs(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
 class RewardModelWorker(MegatronWorker):
     value_head = True
 
-    def _score_micros(self, ids: torch.Tensor, attn: torch.Tensor, mbs: int, extra: dict | None = None) -> list[Micro]:
+    def _score_micros(self, ids: torch.Tensor, attn: torch.Tensor, mbs: int) -> list[Micro]:
         micros = []
         for i in range(0, ids.shape[0], mbs):
             sl = slice(i, i + mbs)
-            fields = {"last": last_token_index(attn[sl])} | {k: v[sl] for k, v in (extra or {}).items()}
-            micros.append(make_micro(ids[sl], attn[sl], fields, self.engine.device))
+            micros.append(make_micro(ids[sl], attn[sl], {"last": last_token_index(attn[sl])}, self.engine.device))
+        return micros
+
+    def _pair_micros(self, batch: Batch, pairs_per_micro: int | None) -> list[Micro]:
+        """Micro-batches of `pairs_per_micro` pairs (default: the role's micro_batch_size), 2m rows each."""
+        m = max(1, pairs_per_micro or self.micro_batch_size)
+        micros = []
+        for i in range(0, len(batch), m):
+            ids, attn = _stack_pairs(batch.index(slice(i, i + m)))
+            micros += self._score_micros(ids, attn, ids.shape[0])
         return micros
 
     @staticmethod
@@ -57,52 +75,55 @@ class RewardModelWorker(MegatronWorker):
 
     @register(DP_COMPUTE)
     def compute_scores(self, batch: Batch, micro_batch_size: int | None = None) -> Batch:
-        """`scores` [B]: the value head at each sequence's last real token."""
+        """`scores` [B]: the value head at each sequence's last real token (`micro_batch_size` rows)."""
         attn = batch["attention_mask"] if "attention_mask" in batch else torch.ones_like(batch["input_ids"])
-        scores = self._run_scores(batch["input_ids"], attn, micro_batch_size)
+        micros = self._score_micros(batch["input_ids"], attn, micro_batch_size or self.micro_batch_size)
+        scores = self._forward_scores(micros)
         return Batch({"scores": scores}) if scores is not None else Batch()
 
     @register(DP_COMPUTE)
     def evaluate_pairs(self, batch: Batch, micro_batch_size: int | None = None) -> Batch:
         """`chosen_scores`, `rejected_scores` [B] for preference pairs."""
-        ids, attn = _stack_pairs(batch)
-        out = self._run_scores(ids, attn, micro_batch_size)
-        if out is None:
+        outs = self._forward_scores(self._pair_micros(batch, micro_batch_size), per_micro=True)
+        if outs is None:
             return Batch()
-        n = len(batch)
-        return Batch({"chosen_scores": out[:n], "rejected_scores": out[n:]})
+        halves = [o.chunk(2) for o in outs]
+        return Batch({"chosen_scores": torch.cat([c for c, _ in halves]),
+                      "rejected_scores": torch.cat([r for _, r in halves])})
 
-    def _run_scores(self, ids: torch.Tensor, attn: torch.Tensor, mbs: int | None) -> torch.Tensor | None:
-        micros = self._score_micros(ids, attn, mbs or self.micro_batch_size)
+    def _forward_scores(self, micros: list[Micro], per_micro: bool = False):
         with self.onloaded():
             outs = self.engine.forward_backward(
                 micros, lambda mb, out: (torch.zeros((), device=out.device), self._scores(mb, out).cpu()),
                 forward_only=True)
-        return torch.cat(outs) if outs else None
+        if not outs:  # not the last pipeline stage
+            return None
+        return outs if per_micro else torch.cat(outs)
 
     @register(DP_COMPUTE, pad=False)
     def train_step(self, batch: Batch, micro_batch_size: int | None = None) -> dict[str, float]:
-        """One optimizer step of Bradley-Terry loss on the pairs; returns bt_loss, accuracy, margin,
-        grad_norm, lr, skipped. Chosen and rejected of a pair always share a micro-batch."""
+        """One optimizer step of Bradley-Terry loss on the pairs; returns loss, accuracy, margin,
+        scores/chosen, scores/rejected (pair means), pairs, grad_norm, lr, skipped and time_s."""
         t0 = time.monotonic()
-        n = len(batch)
-        total = self.dp_all_reduce(torch.tensor(float(n)))
-        pairs_per_micro = max(1, (micro_batch_size or self.micro_batch_size) // 2)
-        micros = []
-        for i in range(0, n, pairs_per_micro):
-            part = batch.index(slice(i, i + pairs_per_micro))
-            ids, attn = _stack_pairs(part)
-            micros += self._score_micros(ids, attn, ids.shape[0])
-
-        def loss_fn(mb: Micro, out: torch.Tensor, acc: Metrics) -> torch.Tensor:
-            s = self._scores(mb, out)
-            k = s.shape[0] // 2
-            diff = s[:k] - s[k:]
-            loss = -F.logsigmoid(diff).sum() / total
-            acc.add_sum({"bt_loss": loss.detach()})
-            acc.add_mean({"accuracy": (diff > 0).float().mean(), "margin": diff.detach().mean()}, weight=k)
-            return loss
-
-        out = run_loss(self, micros, loss_fn)
+        out = self._bt_pass(batch, micro_batch_size, train=True)
         out["time_s"] = time.monotonic() - t0
         return out
+
+    @register(DP_COMPUTE, pad=False)
+    def eval_step(self, batch: Batch, micro_batch_size: int | None = None) -> dict[str, float]:
+        """The metrics of `train_step` without an update (validation on held-out pairs)."""
+        return self._bt_pass(batch, micro_batch_size, train=False)
+
+    def _bt_pass(self, batch: Batch, micro_batch_size: int | None, train: bool) -> dict[str, float]:
+        total = self.dp_all_reduce(torch.tensor(float(len(batch)))).clamp(min=1.0)
+        micros = self._pair_micros(batch, micro_batch_size)
+
+        def loss_fn(mb: Micro, out: torch.Tensor, acc: Metrics) -> torch.Tensor:
+            losses, metrics = bradley_terry_loss(*self._scores(mb, out).chunk(2))
+            n = total.to(losses.device)
+            loss = losses.sum() / n
+            acc.add_sum({"loss": loss.detach(), "pairs": float(losses.numel()),
+                         **{k: v.sum() / n for k, v in metrics.items()}})
+            return loss
+
+        return run_loss(self, micros, loss_fn, train=train)

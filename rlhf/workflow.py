@@ -63,7 +63,7 @@ def role_group(role: str, rc: RoleConfig, cfg: RunConfig, run_dir: Path, worker_
         num_threads=rc.resources.num_threads,
         init_kwargs={"model_path": model_path or rc.model_path or cfg.model.path, "micro_batch_size": rc.micro_batch_size,
                      "dtype": rc.dtype, "offload": rc.offload, "optim": build(OptimSettings, rc.optim, total_steps=steps),
-                     "ep": par.ep, "moe": rc.moe, **init},
+                     "ep": par.ep, "moe": rc.moe, "lora": rc.lora, **init},
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from workers.agent.options import AgentOptions
+from workers.megatron.lora_config import LoRAConfig
 from workers.megatron.moe_config import MoEConfig
 from workers.megatron.optim_config import OptimConfig
 from workers.roles.loss_config import PPOLossConfig, PreferenceLossConfig, ValueLossConfig
@@ -47,6 +48,9 @@ class RoleConfig:
     resources: ResourceConfig = field(default_factory=ResourceConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)  # MoE models: router losses, token dispatcher
+    # policy only: train LoRA adapters (rank, alpha, dropout, target_modules) on the frozen model instead of all
+    # of it; null = full fine-tuning. `policy.lora.rank=16` turns it on with the other defaults.
+    lora: LoRAConfig | None = None
     micro_batch_size: int = 8
     dtype: str = "float32"  # float32 | bfloat16
     offload: bool = False  # GPU only: keep parameters on CPU between uses

@@ -121,6 +121,19 @@ def _check_role(name: str, role: RoleConfig, shape: ModelShape | None) -> None:
     _check_experts(name, role, shape)
 
 
+def _check_lora(cfg: RunConfig) -> None:
+    """`policy.lora` settings (rank, alpha, dropout, target names), and LoRA on the policy only."""
+    for name in ("reference", "critic", "reward_model"):
+        if getattr(cfg, name).lora is not None:
+            raise ConfigError(f"{name}.lora: LoRA adapters train the policy only; remove {name}.lora")
+    lora = cfg.policy.lora
+    if lora is None:
+        return
+    err = lora.fit_error()
+    if err:
+        raise ConfigError(f"policy.lora.{err}")
+
+
 def _check_experts(name: str, role: RoleConfig, shape: ModelShape) -> None:
     """Expert parallelism and the `moe` section against the model (megatron-core 0.16.1's layout: expert
     layers are tp x ep x expert-dp x pp over the role's tp x pp x dp ranks)."""
@@ -219,6 +232,7 @@ def validate_config(cfg: RunConfig) -> None:
         roles += [n for n in ("reference", "critic", "reward_model") if getattr(cfg, n).enabled]
     for name in roles:
         _check_role(name, getattr(cfg, name), shape)
+    _check_lora(cfg)
     if a.name in ("sft", "pretrain", "dpo"):
         _require(d.seq_length <= shape.max_positions, "data.seq_length",
                  f"at most the model's max_position_embeddings ({shape.max_positions})", d.seq_length)

@@ -358,6 +358,8 @@ def bind(model: torch.nn.Module, hf_config: Any) -> list[Binding]:
     per_rank = d.experts // ep
     out: list[Binding] = []
     for name, param in model.named_parameters():
+        if getattr(param, "lora_adapter", False):  # a LoRA factor: not an HF tensor (workers/megatron/lora.py)
+            continue
         m = _LAYER_RE.match(name)
         if m:
             local, suffix = int(m.group(1)), m.group(2)

@@ -3,7 +3,8 @@
 
 init_kwargs (from `WorkerGroup(init_kwargs=...)`): `model_path` (HF folder), `dtype` ("float32" |
 "bfloat16"), `micro_batch_size`, `optim` (dict of `OptimSettings` fields), `ep` (expert-parallel size, MoE
-models), `moe` (`MoEConfig` or a dict of its fields), `recompute`, `load_weights`,
+models), `moe` (`MoEConfig` or a dict of its fields), `lora` (`LoRAConfig`, a dict of its fields or None:
+LoRA adapters, the trained policy only), `recompute`, `load_weights`,
 `offload` (frozen roles on GPU), `pack_sequences` (RL batches. "prefix", the default where the model's
 RoPE takes explicit positions: the samples of one prompt share one copy of it in a row; True (the default
 otherwise): whole sequences packed into rows with block-diagonal attention; False: padded rows. See
@@ -76,6 +77,7 @@ class MegatronWorker(Worker):
             trainable=self.trainable,
             optim=kw.get("optim"),
             moe=kw.get("moe"),
+            lora=kw.get("lora"),
             load_weights=kw.get("load_weights", True),
             recompute=kw.get("recompute", False),
         )

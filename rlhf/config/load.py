@@ -28,7 +28,8 @@ def _known_keys(node: Any, prefix: str = "") -> list[str]:
         keys.append(key)
         value = getattr(node, f.name)
         if value is None:  # an optional section (`policy.lora`): its keys are known too
-            value = next((t() for t in typing.get_args(hints[f.name]) if is_dataclass(t)), None)
+            value = next((t() for t in typing.get_args(hints[f.name]) if isinstance(t, type) and is_dataclass(t)),
+                         None)
         if is_dataclass(value):
             keys += _known_keys(value, key + ".")
     return keys

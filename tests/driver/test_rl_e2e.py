@@ -26,17 +26,19 @@ def metrics(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("zero_copy,old_logprobs", [(False, "recompute"), (True, "rollout")])
-def test_grpo_two_steps(tmp_path, zero_copy, old_logprobs):
+@pytest.mark.parametrize("zero_copy,old_logprobs,lora", [(False, "recompute", True), (True, "rollout", False)])
+def test_grpo_two_steps(tmp_path, zero_copy, old_logprobs, lora):
     run = tmp_path / "grpo"
     # Sampling at temperature 0.7: the policy's logprobs of logits / 0.7 must equal vLLM's processed logprobs.
     # recompute: the step logs the engine's mismatch to the policy's recomputed old logprobs (mismatch/*).
     # rollout: the engine's logprobs are the behaviour policy, so the first (on-policy) update sees importance
     # ratios of 1. At step 2 either shows the engine generated with the weights of step 1 (synced; with
-    # zero_copy the engine computes from the file the policy wrote).
+    # zero_copy the engine computes from the file the policy wrote). With LoRA (at a learning rate that moves
+    # the adapters) the engine gets the merged weights W + s B A, so its logprobs still match the policy's.
+    extra = ["policy.lora.rank=4", "policy.optim.lr=1e-2"] if lora else []
     r = rlhf("train", "configs/grpo_tiny.yaml", *FAST, "trainer.total_steps=2", "trainer.save_every=2",
              "rollout.temperature=0.7", f"algorithm.old_logprobs={old_logprobs}", f"trainer.output_dir={run}",
-             f"rollout.zero_copy_weights={str(zero_copy).lower()}")
+             f"rollout.zero_copy_weights={str(zero_copy).lower()}", *extra)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     rows = metrics(run)
     steps = [row for row in rows if row["step"] > 0]
@@ -61,6 +63,14 @@ def test_grpo_two_steps(tmp_path, zero_copy, old_logprobs):
     assert (run / "hf" / "tokenizer.json").is_file()
     assert (run / "report.png").is_file() and (run / "config.yaml").is_file()
     assert list((run / "tensorboard").glob("events.*"))
+    if lora:  # adapters only in the checkpoint; the export holds the merged model and the PEFT adapter
+        from megatron.core.dist_checkpointing import load_tensors_metadata
+        from safetensors import safe_open
+
+        keys = list(load_tensors_metadata(str(latest / "policy")))
+        assert keys and all(k.rsplit(".", 1)[-1] in ("lora_a", "lora_b") for k in keys), keys[:4]
+        with safe_open(str(run / "hf" / "adapter" / "adapter_model.safetensors"), "pt") as f:
+            assert max(f.get_tensor(n).abs().max().item() for n in f.keys() if "lora_B" in n) > 0  # noqa: SIM118 - a handle
 
 
 def test_ppo_two_steps(tmp_path):

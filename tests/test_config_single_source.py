@@ -9,6 +9,7 @@ from pathlib import Path
 
 from rlhf.config.schema import AlgorithmConfig, DPOConfig, RolloutConfig
 from workers.agent.options import AgentOptions
+from workers.megatron.lora_config import LoRAConfig
 from workers.megatron.moe_config import MoEConfig
 from workers.megatron.optim_config import OptimConfig, OptimSettings
 from workers.roles.loss_config import PPOLossConfig, PreferenceLossConfig, UpdateConfig, ValueLossConfig
@@ -22,6 +23,7 @@ SUFFIXES = ("Config", "Options", "Settings")
 WORKER_CONFIGS: dict[type, tuple[type, set[str]]] = {
     OptimConfig: (OptimConfig, set()),
     MoEConfig: (MoEConfig, set()),
+    LoRAConfig: (LoRAConfig, set()),
     OptimSettings: (OptimConfig, {"total_steps"}),  # derived by the driver from the run's length
     UpdateConfig: (AlgorithmConfig, set()),
     PPOLossConfig: (AlgorithmConfig, set()),

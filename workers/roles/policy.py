@@ -107,6 +107,17 @@ class PolicyWorker(RolloutSyncMixin, LogprobMixin, LMMixin, PreferenceMixin, Meg
 
         return str(export_hf_folder(self.engine, out_dir, tokenizer_path or self.engine.model_path))
 
+    @register(ONE_TO_ALL, collect="rank0")
+    def save_lora_adapter(self, out_dir: str) -> dict[str, float]:
+        """Write the LoRA adapters alone as a PEFT folder (workers.megatron.lora_peft) into `out_dir`;
+        collective. Returns its `bytes` and the `time_s` it took."""
+        from workers.megatron.lora_peft import WEIGHTS_FILE, write_peft_adapter
+
+        t0 = time.perf_counter()
+        out = write_peft_adapter(self.engine, out_dir)
+        size = (out / WEIGHTS_FILE).stat().st_size if torch.distributed.get_rank() == 0 else 0
+        return {"bytes": float(size), "time_s": time.perf_counter() - t0}
+
 
 def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Logits of the sampling distribution at `temperature` (the rollout's): logits / temperature."""

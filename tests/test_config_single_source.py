@@ -33,7 +33,7 @@ WORKER_CONFIGS: dict[type, tuple[type, set[str]]] = {
     EngineOptions: (RolloutConfig, set()),
     EngineConfig: (RolloutConfig, {"model_path", "tokenizer_path", "max_model_len", "enable_chunked_prefill",
                                    "enable_prefix_caching", "num_gpus", "logprobs_mode", "gpu_memory_utilization",
-                                   "enable_sleep_mode", "enforce_eager", "work_dir", "extra"}),
+                                   "enable_sleep_mode", "enforce_eager", "work_dir", "max_lora_rank", "extra"}),
     SyncOptions: (RolloutConfig, set()),
     AgentOptions: (RolloutConfig, set()),
     SyncConfig: (RolloutConfig, {"direct_load", "colocated", "timeout_s", "verify_tolerance_16bit",

@@ -257,6 +257,8 @@ def validate_config(cfg: RunConfig) -> None:
         from workers.rollout.registry import TRANSPORTS
 
         _choice(r.sync_transport, "rollout.sync_transport", [*TRANSPORTS, "null (chosen per machine)"])
+    if r.sync_lora_adapter:
+        _check_adapter_sync(cfg)
     if r.zero_copy_weights:
         import torch
 
@@ -298,6 +300,27 @@ def validate_config(cfg: RunConfig) -> None:
     _require(rw.num_workers >= 1, "reward.num_workers", "an integer >= 1 (processes of a module:function reward)",
              rw.num_workers)
     _check_rl_batches(cfg)
+
+
+def _check_adapter_sync(cfg: RunConfig) -> None:
+    """rollout.sync_lora_adapter: the engines serve the policy's adapters on their own copy of the base model."""
+    from workers.rollout.config import VLLM_LORA_RANKS
+
+    lora, r = cfg.policy.lora, cfg.rollout
+    if lora is None:
+        raise ConfigError("rollout.sync_lora_adapter=true needs LoRA adapters to send: set policy.lora "
+                          "(e.g. policy.lora.rank=16), or sync the full weights (false)")
+    if r.zero_copy_weights:
+        raise ConfigError("rollout.sync_lora_adapter and rollout.zero_copy_weights exclude each other: zero copy "
+                          "shares the merged weights file, the adapter sync keeps the base weights and sends the "
+                          "adapters; choose one")
+    if lora.rank > VLLM_LORA_RANKS[-1]:
+        raise ConfigError(f"rollout.sync_lora_adapter: vLLM serves LoRA adapters up to rank {VLLM_LORA_RANKS[-1]}, "
+                          f"policy.lora.rank is {lora.rank}; sync the merged weights (false)")
+    if cfg.policy.model_path and cfg.policy.model_path != cfg.model.path:
+        raise ConfigError(f"rollout.sync_lora_adapter: the engines hold model.path ({cfg.model.path}) as the base "
+                          f"but the policy trains adapters on policy.model_path ({cfg.policy.model_path}); use one "
+                          "model or sync the merged weights (false)")
 
 
 def _check_tools(cfg: RunConfig) -> None:

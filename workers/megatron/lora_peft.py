@@ -68,25 +68,39 @@ def peft_config(lora: Any, base_model: str, modules: list[str]) -> dict[str, Any
     }
 
 
-def write_peft_adapter(engine: Any, out: str | Path) -> Path:
-    """Write the engine's adapters as a PEFT folder at `out` (collective over the whole world; rank 0 writes)."""
-    from safetensors.torch import save_file
-
+def gather_peft_adapter(engine: Any) -> dict[str, Any] | None:
+    """The engine's adapters in PEFT's names and config: {"tensors": name -> CPU tensor, "config": the
+    adapter_config.json body} on global rank 0, None elsewhere. Collective over the whole world (the adapters
+    are small: every stage's source rank sends its own to rank 0)."""
     from workers.megatron.hf_weights import is_hf_weight_source
 
     if engine.lora is None:
         raise ValueError("the model has no LoRA adapters to export")
     local = {n: t.to("cpu", engine.dtype) for n, t in iter_peft_tensors(engine.module, engine.hf_config)}
-    part = local if is_hf_weight_source() else None
     parts: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(parts, part)  # the adapters are small: one rank writes them all
+    torch.distributed.all_gather_object(parts, local if is_hf_weight_source() else None)
+    if torch.distributed.get_rank() != 0:
+        return None
+    tensors = {k: v for p in parts if p for k, v in p.items()}
+    modules = sorted({k[len(_PREFIX):].rsplit(".lora_", 1)[0] for k in tensors})
+    return {"tensors": tensors, "config": peft_config(engine.lora, str(engine.model_path), modules)}
+
+
+def write_peft_folder(adapter: dict[str, Any], out: str | Path) -> Path:
+    """Write a `gather_peft_adapter` result as a PEFT adapter folder (not collective)."""
+    from safetensors.torch import save_file
+
     out = Path(out)
-    if torch.distributed.get_rank() == 0:
-        tensors = {k: v for p in parts if p for k, v in p.items()}
-        modules = sorted({k[len(_PREFIX):].rsplit(".lora_", 1)[0] for k in tensors})
-        out.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-        cfg = peft_config(engine.lora, str(engine.model_path), modules)
-        (out / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
-    torch.distributed.barrier()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(adapter["tensors"], str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    (out / CONFIG_FILE).write_text(json.dumps(adapter["config"], indent=2) + "\n")
     return out
+
+
+def write_peft_adapter(engine: Any, out: str | Path) -> Path:
+    """Write the engine's adapters as a PEFT folder at `out` (collective over the whole world; rank 0 writes)."""
+    adapter = gather_peft_adapter(engine)
+    if adapter is not None:
+        write_peft_folder(adapter, out)
+    torch.distributed.barrier()
+    return Path(out)

@@ -108,6 +108,15 @@ class PolicyWorker(RolloutSyncMixin, LogprobMixin, LMMixin, PreferenceMixin, Meg
         return str(export_hf_folder(self.engine, out_dir, tokenizer_path or self.engine.model_path))
 
     @register(ONE_TO_ALL, collect="rank0")
+    def lora_adapter(self) -> dict[str, Any]:
+        """The LoRA adapters in PEFT's names and config (`gather_peft_adapter`), for the rollout's adapter sync;
+        collective."""
+        from workers.megatron.lora_peft import gather_peft_adapter
+
+        with self.onloaded():
+            return gather_peft_adapter(self.engine) or {}
+
+    @register(ONE_TO_ALL, collect="rank0")
     def save_lora_adapter(self, out_dir: str) -> dict[str, float]:
         """Write the LoRA adapters alone as a PEFT folder (workers.megatron.lora_peft) into `out_dir`;
         collective. Returns its `bytes` and the `time_s` it took."""

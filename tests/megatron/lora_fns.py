@@ -81,7 +81,8 @@ def train_lora(model_path: str, out_dir: str, steps: int = 3, ckpt: bool = False
     res["losses"] += [_step(engine, micros, norm) for _ in range(steps - 1)]
     res["optimizer_state"] = sum(t.numel() for o in inner for s in o.state.values() for t in s.values()
                                  if isinstance(t, torch.Tensor) and t.dim() > 0)
-    res["merged"] = {n: t.clone() for n, t in engine.iter_hf_weights()} if is_hf_weight_source() else None
+    merged = {n: t.clone() for n, t in engine.iter_hf_weights()}  # collective: every rank iterates
+    res["merged"] = merged if is_hf_weight_source() else None
     res["base"] = base if is_hf_weight_source() else None
     res["logits"] = _logits(engine, ids)
     res["ids"] = ids

@@ -55,7 +55,7 @@ def train_lora(model_path: str, out_dir: str, steps: int = 3, ckpt: bool = False
     from megatron.core import parallel_state as ps
 
     from workers.megatron.engine import MegatronEngine, _inner_optimizers
-    from workers.megatron.hf_weights import is_hf_weight_source
+    from workers.megatron.hf_weights import is_hf_weight_source, write_hf_shards
     from workers.megatron.lora import adapter_parameters
     from workers.roles.hf_export import export_hf_folder
     from workers.roles.lm import lm_micros
@@ -83,6 +83,11 @@ def train_lora(model_path: str, out_dir: str, steps: int = 3, ckpt: bool = False
                                  if isinstance(t, torch.Tensor) and t.dim() > 0)
     merged = {n: t.clone() for n, t in engine.iter_hf_weights()}  # collective: every rank iterates
     res["merged"] = merged if is_hf_weight_source() else None
+    # the shared-memory sync's path: each rank writes its merged shards into full tensors (no collective)
+    shapes = {n: t.shape for n, t in merged.items()}
+    written = {n: torch.zeros(s) for n, s in shapes.items()}
+    write_hf_shards(engine.module, engine.hf_config, lambda name: written[name])
+    res["written"] = written
     res["base"] = base if is_hf_weight_source() else None
     res["logits"] = _logits(engine, ids)
     res["ids"] = ids

@@ -56,6 +56,7 @@ def test_tp2_and_pp2_give_the_tp1_update(runs):
     _, _, res = runs
     tp1 = res["tp1"]
     assert tp1["losses"][-1] < tp1["losses"][0] - 0.05, tp1["losses"]
+    assert all(torch.equal(tp1["written"][k], v) for k, v in tp1["merged"].items())  # the shm sync's write
     moved = max((tp1["merged"][k] - tp1["base"][k]).abs().max().item() for k in tp1["base"])
     assert moved > 1e-3  # the adapters changed the merged weights
     for name in ("tp2", "pp2"):
@@ -65,6 +66,9 @@ def test_tp2_and_pp2_give_the_tp1_update(runs):
         assert merged.keys() == tp1["merged"].keys(), name
         diff = max((merged[k] - tp1["merged"][k]).abs().max().item() for k in merged)
         assert diff < 1e-5, (name, diff)
+        if name == "tp2":  # each TP rank's merged shards, written into the full tensors (the shm sync's way)
+            written = {k: ranks[0]["written"][k] + ranks[1]["written"][k] for k in merged}  # rank 0: replicated
+            assert max((written[k] - merged[k]).abs().max().item() for k in merged) < 1e-6
 
 
 def test_merged_weights_and_peft_adapter_reproduce_the_unmerged_model(runs):

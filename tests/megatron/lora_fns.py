@@ -98,6 +98,7 @@ def train_lora(model_path: str, out_dir: str, steps: int = 3, ckpt: bool = False
         res["meta_lora"] = meta.get("lora")
         res["losses_resumed"] = [_step(engine, micros, norm) for _ in range(steps - 1)]
         res["adapters_resumed"] = {n: p.detach().clone() for n, p in adapter_parameters(engine.module)}
+        res["load_errors"] = load_into(model_path, str(Path(out_dir) / "ckpt"), [{**LORA, "rank": 8}, None])
     return res
 
 

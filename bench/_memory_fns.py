@@ -30,3 +30,36 @@ def saved_activation_bytes(model_dir: str, dtype: str, seq: int, mbs: int) -> di
         loss = model(input_ids=ids[:, :-1], position_ids=pos, attention_mask=mask, labels=ids[:, 1:]).mean()
     loss.backward()
     return {"saved_bytes": sum(saved.values())}
+
+
+def trainer_memory(model_dir: str, lora: dict | None, seq: int = 128, mbs: int = 2) -> dict:
+    """One training step of the engine's model (fp32, Adam) with or without LoRA adapters: its parameter,
+    trainable-parameter, gradient-buffer and optimizer-state bytes, and this rank's peak RSS (a fresh process)."""
+    import resource
+
+    import torch
+
+    from workers.megatron.engine import MegatronEngine, _inner_optimizers
+    from workers.megatron.masks import causal_mask
+    from workers.megatron.micro_batch import Micro
+
+    eng = MegatronEngine(model_dir, trainable=True, optim={"lr": 1e-4}, lora=lora)
+    ids = torch.randint(0, 500, (mbs, seq + 1), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(seq).unsqueeze(0).expand(mbs, seq)
+    micro = Micro(ids[:, :-1], pos, causal_mask(seq)[None, None], {"labels": ids[:, 1:]})
+
+    def loss_fn(mb, logits):
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), mb.fields["labels"].flatten())
+        return loss, None
+
+    eng.zero_grad()
+    eng.forward_backward([micro], loss_fn, forward_only=False)
+    eng.optimizer_step()
+    params = list(eng.module.parameters())
+    inner = _inner_optimizers(eng.optimizer)
+    state = sum(t.numel() * t.element_size() for o in inner for s in o.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor))
+    grads = sum(b.grad_data.numel() * b.grad_data.element_size() for c in eng.chunks for b in c.buffers)
+    return {"params": sum(p.numel() for p in params), "param_bytes": sum(p.numel() * p.element_size() for p in params),
+            "trainable": sum(p.numel() for p in params if p.requires_grad), "grad_bytes": grads,
+            "optimizer_bytes": state, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

@@ -8,7 +8,11 @@ softmax output), no dropout and the model's dtype: once with the fused-kernel te
 GPUs, once with the unfused CPU path's terms (torch RMSNorm keeps two fp32 copies of its input, a 16-bit
 model's softmax runs in fp32 and keeps that output too, SwiGLU keeps SiLU's output).
 
-    python bench/memory.py [--preset small-qwen2] [--seq 512] [--mbs 2]
+Then the trainer's memory with and without LoRA (issue 21) on the ~100M preset (`--lora-preset base-qwen2`, fp32,
+Adam, one step, each in a fresh process): parameters, trainable parameters, gradient buffer and optimizer state
+(Adam's two moments; fp32 needs no master copy) as the engine holds them, and the process's peak RSS.
+
+    python bench/memory.py [--preset small-qwen2] [--seq 512] [--mbs 2] [--lora-preset base-qwen2] [--lora-rank 16]
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import machine_line, ratio_line, table
-from _memory_fns import saved_activation_bytes
+from _memory_fns import saved_activation_bytes, trainer_memory
 
 
 def main() -> None:
@@ -29,8 +33,42 @@ def main() -> None:
     ap.add_argument("--preset", default="small-qwen2")
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--mbs", type=int, default=2)
+    ap.add_argument("--lora-preset", default="base-qwen2", help="the model of the with / without LoRA rows")
+    ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument("--skip-activations", action="store_true", help="only the LoRA rows")
     args = ap.parse_args()
 
+    from rlhf.tiny_models import create_tiny_model
+    from workers.megatron.launch import run_distributed
+
+    print(machine_line())
+    if not args.skip_activations:
+        activations(args)
+    lora_rows(args, create_tiny_model, run_distributed)
+
+
+def lora_rows(args: argparse.Namespace, create_tiny_model, run_distributed) -> None:
+    """Trainer memory of one step with and without LoRA (all four linear targets) on `--lora-preset`."""
+    out = Path("runs/bench/memory") / args.lora_preset
+    if not (out / "config.json").is_file():
+        create_tiny_model(args.lora_preset, out)
+    lora = {"rank": args.lora_rank, "alpha": 2.0 * args.lora_rank}
+    res = {name: run_distributed(trainer_memory, 1, args=(str(out), cfg))[0]
+           for name, cfg in (("full", None), (f"lora r={args.lora_rank}", lora))}
+    mib = 2**20
+    rows = [[name, f"{r['params'] / 1e6:.1f}M", f"{r['trainable'] / 1e6:.3f}M", f"{r['param_bytes'] / mib:.0f}",
+             f"{r['grad_bytes'] / mib:.1f}", f"{r['optimizer_bytes'] / mib:.1f}", f"{r['peak_rss'] / mib:.0f}"]
+            for name, r in res.items()]
+    print(f"{args.lora_preset}, fp32, Adam, one step of micro-batch 2 x 128 tokens, TP1, one process each")
+    print(table(["trainer", "parameters", "trainable", "param MiB", "grad buffer MiB", "optimizer state MiB",
+                 "peak RSS MiB"], rows))
+    full, low = res["full"], res[f"lora r={args.lora_rank}"]
+    print(ratio_line("lora_optimizer_state_vs_full", low["optimizer_bytes"] / full["optimizer_bytes"]))
+    print(ratio_line("lora_trainable_vs_full", low["trainable"] / full["trainable"]))
+    print(ratio_line("lora_peak_rss_vs_full", low["peak_rss"] / full["peak_rss"]))
+
+
+def activations(args: argparse.Namespace) -> None:
     from rlhf.plan.layout import Layout
     from rlhf.plan.memory import ActOptions, stage_activation_bytes
     from rlhf.plan.model import load_model
@@ -52,7 +90,6 @@ def main() -> None:
         got = measured["saved_bytes"]
         rows.append([dtype, f"{got / 2**20:.1f}", f"{gpu_path / 2**20:.1f}", f"{gpu_path / got:.3f}",
                      f"{cpu_path / 2**20:.1f}", f"{cpu_path / got:.3f}"])
-    print(machine_line())
     print(f"{args.preset}, seq {args.seq}, micro-batch {args.mbs}, TP1 PP1, one forward with labels")
     print(table(["dtype", "measured MiB", "fused-path estimate MiB", "ratio", "CPU-path estimate MiB", "ratio"],
                 rows))

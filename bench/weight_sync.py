@@ -14,8 +14,12 @@ after each mode's syncs is measured too (a fixed batch, tokens/s), since zero co
 The floor is one plain memcpy of the same bytes (the model in the engine's dtype) into a warm buffer.
 Prints `RATIO weight_sync_vs_memcpy <median sync seconds / memcpy seconds>` (the default mode),
 `RATIO weight_sync_zero_copy_vs_memcpy` and `RATIO zero_copy_decode_vs_default` (tokens/s).
+LoRA (issue 21; `--no-lora` skips it): the same policy with rank-`--lora-rank` adapters on every linear layer
+syncs merged weights (each rank merges W + s B A into its shard before writing or gathering), the same bytes
+as the full model: `RATIO weight_sync_lora_merged_vs_full` is its median sync time over the default mode's,
+and the adapters' own size (what an adapter-only sync would move) is printed beside it.
 Usage: python bench/weight_sync.py [--dtype float32|bfloat16] [--transport shm|gloo] [--no-direct-load]
-                                  [--no-zero-copy] [--bucket-mb 64] [--reps 3]
+                                  [--no-zero-copy] [--bucket-mb 64] [--reps 3] [--no-lora] [--lora-rank 16]
 """
 
 from __future__ import annotations
@@ -71,6 +75,8 @@ def main() -> None:
     ap.add_argument("--no-zero-copy", action="store_true", help="skip the zero-copy rows (shm only)")
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-lora", action="store_true", help="skip the LoRA rows")
+    ap.add_argument("--lora-rank", type=int, default=16)
     args = ap.parse_args()
     import ray
 
@@ -99,6 +105,18 @@ def main() -> None:
             first = rollout.sync_weights(policy, cfg)  # verified against the policy's logprobs
             runs = [rollout.sync_weights(policy, cfg, verify=False) for _ in range(args.reps)]
             results[mode] = (first, runs, rollout._syncers[id(policy)].transport.name, decode_rate(rollout))
+        if not args.no_lora:
+            policy.shutdown()
+            policy = WorkerGroup("policy", PolicyWorker, tp=args.tp, name="bench-sync-policy-lora",
+                                 num_cpus_per_worker=0.5, timeout_s=600, log_dir=str(root / "logs"),
+                                 init_kwargs={"model_path": path, "micro_batch_size": 2,
+                                              "lora": {"rank": args.lora_rank, "alpha": 2.0 * args.lora_rank}})
+            cfg = SyncConfig(sync_bucket_mb=args.bucket_mb, timeout_s=300, sync_transport=args.transport,
+                             direct_load=not args.no_direct_load)
+            first = rollout.sync_weights(policy, cfg)  # verified: the engine computes like the LoRA policy
+            runs = [rollout.sync_weights(policy, cfg, verify=False) for _ in range(args.reps)]
+            adapter = policy.save_lora_adapter(str(root / "adapter"))
+            results["lora_merged"] = (first, runs, rollout._syncers[id(policy)].transport.name, adapter)
     finally:
         if rollout is not None:
             rollout.shutdown()
@@ -117,6 +135,7 @@ def main() -> None:
     print(f"policy: base-qwen2 TP={args.tp} fp32 -> engine {args.dtype} (2 threads); {nbytes / 1e6:.1f} MB {how}")
     print(f"memcpy of the same bytes: {warm:.4f}s warm, {fresh:.4f}s into a fresh buffer")
     rows = []
+    lora = results.pop("lora_merged", None)
     for mode, (first, runs, transport, rate) in results.items():
         sync_s = statistics.median(r["sync/time_s"] for r in runs)
         recv_s = statistics.median(r["sync/receive_s"] for r in runs)
@@ -139,6 +158,18 @@ def main() -> None:
         print(f"RATIO {name} {sync_s / warm:.3f}")
     if "zero_copy" in results:
         print(f"RATIO zero_copy_decode_vs_default {results['zero_copy'][3] / results['default'][3]:.3f}")
+    if lora is not None:
+        first, runs, transport, adapter = lora
+        adapter_bytes = adapter["bytes"]
+        sync_s = statistics.median(r["sync/time_s"] for r in runs)
+        gather_s = statistics.median(r["sync/gather_s"] for r in runs)
+        print(f"[lora_merged] rank {args.lora_rank} on every linear layer, transport {transport}: first sync "
+              f"{first['sync/time_s']:.3f}s (verify max |diff| {first['sync/verify_max_abs_diff']:.2e}); sync "
+              f"(median of {args.reps}) {sync_s:.3f}s, of it merging + writing / gathering {gather_s:.3f}s; "
+              f"{runs[0]['sync/bytes'] / 1e6:.1f} MB sent; the adapters alone are {adapter_bytes / 1e6:.2f} MB "
+              f"({adapter_bytes / runs[0]['sync/bytes']:.4f} of it; gathered and written as a PEFT folder in "
+              f"{adapter['time_s']:.3f}s)")
+        print(f"RATIO weight_sync_lora_merged_vs_full {sync_s / rows[0][1]:.3f}")
 
 
 if __name__ == "__main__":

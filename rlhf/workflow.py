@@ -229,8 +229,9 @@ class Roles:
             # Sampled-token logprobs after temperature (the sampling distribution) when it is not 1.
             mode = "raw_logprobs" if temp == 1.0 else "processed_logprobs"
             r = cfg.rollout
+            lora_rank = cfg.policy.lora.rank if r.sync_lora_adapter and cfg.policy.lora is not None else 0
             engine = build(EngineConfig, r, model_path=cfg.model.path, tokenizer_path=cfg.model.tokenizer_path,
-                           logprobs_mode=mode, return_routed_experts=routes).validate()
+                           logprobs_mode=mode, return_routed_experts=routes, max_lora_rank=lora_rank).validate()
             group = RolloutGroup(engine, timeout_s=cfg.trainer.timeout_s, name="rollout", log_dir=run_dir / "logs")
             agent = build(AgentOptions, r) if r.tools or r.env else None
             handles["rollout"] = RolloutHandle(group, build(SamplingConfig, r).validate(),

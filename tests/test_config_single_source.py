@@ -9,6 +9,7 @@ from pathlib import Path
 
 from rlhf.config.schema import AlgorithmConfig, DPOConfig, RoleConfig, RolloutConfig
 from workers.agent.options import AgentOptions
+from workers.megatron.lora_config import LoRAConfig
 from workers.megatron.moe_config import MoEConfig
 from workers.megatron.optim_config import OptimConfig, OptimSettings
 from workers.roles.loss_config import PPOLossConfig, PreferenceLossConfig, UpdateConfig, ValueLossConfig
@@ -23,6 +24,7 @@ SUFFIXES = ("Config", "Options", "Settings")
 WORKER_CONFIGS: dict[type, tuple[type, set[str]]] = {
     OptimConfig: (OptimConfig, set()),
     MoEConfig: (MoEConfig, set()),
+    LoRAConfig: (LoRAConfig, set()),
     OptimSettings: (OptimConfig, {"total_steps"}),  # derived by the driver from the run's length
     UpdateConfig: (AlgorithmConfig, set()),
     PPOLossConfig: (AlgorithmConfig, set()),
@@ -32,7 +34,7 @@ WORKER_CONFIGS: dict[type, tuple[type, set[str]]] = {
     EngineOptions: (RolloutConfig, set()),
     EngineConfig: (RolloutConfig, {"model_path", "tokenizer_path", "max_model_len", "enable_chunked_prefill",
                                    "enable_prefix_caching", "num_gpus", "logprobs_mode", "gpu_memory_utilization",
-                                   "enable_sleep_mode", "enforce_eager", "work_dir", "extra",
+                                   "enable_sleep_mode", "enforce_eager", "work_dir", "max_lora_rank", "extra",
                                    "return_routed_experts"}),  # derived: an MoE policy that replays or logs mismatch
     SyncOptions: (RolloutConfig, set()),
     AgentOptions: (RolloutConfig, set()),

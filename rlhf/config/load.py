@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import typing
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -21,10 +22,14 @@ _OVERRIDE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*=.+$"
 def _known_keys(node: Any, prefix: str = "") -> list[str]:
     """All dotted keys of a schema dataclass, for "did you mean" hints."""
     keys = []
+    hints = typing.get_type_hints(type(node))
     for f in fields(node):
         key = f"{prefix}{f.name}"
         keys.append(key)
         value = getattr(node, f.name)
+        if value is None:  # an optional section (`policy.lora`): its keys are known too
+            value = next((t() for t in typing.get_args(hints[f.name]) if isinstance(t, type) and is_dataclass(t)),
+                         None)
         if is_dataclass(value):
             keys += _known_keys(value, key + ".")
     return keys

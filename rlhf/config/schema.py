@@ -40,7 +40,7 @@ class ResourceConfig:
 @dataclass
 class RoleConfig(RoleOptions):
     """A Megatron worker group: policy, reference, critic or reward model. What its ranks are built from
-    (`RoleOptions`: micro_batch_size, dtype, offload, moe) reaches them as it is."""
+    (`RoleOptions`: micro_batch_size, dtype, offload, moe, lora) reaches them as it is."""
 
     enabled: bool = True
     model_path: str | None = None  # HF folder; defaults to model.path

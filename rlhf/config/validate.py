@@ -134,6 +134,19 @@ def _check_role(name: str, role: RoleConfig, shape: ModelShape | None) -> None:
     _check_experts(name, role, shape)
 
 
+def _check_lora(cfg: RunConfig) -> None:
+    """`policy.lora` settings (rank, alpha, dropout, target names), and LoRA on the policy only."""
+    for name in ("reference", "critic", "reward_model"):
+        if getattr(cfg, name).lora is not None:
+            raise ConfigError(f"{name}.lora: LoRA adapters train the policy only; remove {name}.lora")
+    lora = cfg.policy.lora
+    if lora is None:
+        return
+    err = lora.fit_error()
+    if err:
+        raise ConfigError(f"policy.lora.{err}")
+
+
 def _check_experts(name: str, role: RoleConfig, shape: ModelShape) -> None:
     """Expert parallelism and the `moe` section against the model (megatron-core 0.16.1's layout: expert
     layers are tp x ep x expert-dp x pp over the role's tp x pp x dp ranks)."""
@@ -244,6 +257,7 @@ def validate_config(cfg: RunConfig) -> None:
     for name in roles:
         _check_role(name, getattr(cfg, name), shape)
     _check_routing_replay(cfg)
+    _check_lora(cfg)
     if a.name in LM_STAGES:
         _require(d.seq_length <= shape.max_positions, "data.seq_length",
                  f"at most the model's max_position_embeddings ({shape.max_positions})", d.seq_length)
@@ -268,6 +282,8 @@ def validate_config(cfg: RunConfig) -> None:
         from workers.rollout.registry import TRANSPORTS
 
         _choice(r.sync_transport, "rollout.sync_transport", [*TRANSPORTS, "null (chosen per machine)"])
+    if r.sync_lora_adapter:
+        _check_adapter_sync(cfg)
     if r.zero_copy_weights:
         import torch
 
@@ -322,6 +338,27 @@ def _check_routing_replay(cfg: RunConfig) -> None:
         which = "rollout.tools" if cfg.rollout.tools else "rollout.env"
         raise ConfigError(f"policy.moe.routing_replay with {which}: the engine records no routing for multi-turn "
                           "trajectories (their tool and observation turns are not its generations)")
+
+
+def _check_adapter_sync(cfg: RunConfig) -> None:
+    """rollout.sync_lora_adapter: the engines serve the policy's adapters on their own copy of the base model."""
+    from workers.rollout.config import VLLM_LORA_RANKS
+
+    lora, r = cfg.policy.lora, cfg.rollout
+    if lora is None:
+        raise ConfigError("rollout.sync_lora_adapter=true needs LoRA adapters to send: set policy.lora "
+                          "(e.g. policy.lora.rank=16), or sync the full weights (false)")
+    if r.zero_copy_weights:
+        raise ConfigError("rollout.sync_lora_adapter and rollout.zero_copy_weights exclude each other: zero copy "
+                          "shares the merged weights file, the adapter sync keeps the base weights and sends the "
+                          "adapters; choose one")
+    if lora.rank > VLLM_LORA_RANKS[-1]:
+        raise ConfigError(f"rollout.sync_lora_adapter: vLLM serves LoRA adapters up to rank {VLLM_LORA_RANKS[-1]}, "
+                          f"policy.lora.rank is {lora.rank}; sync the merged weights (false)")
+    if cfg.policy.model_path and cfg.policy.model_path != cfg.model.path:
+        raise ConfigError(f"rollout.sync_lora_adapter: the engines hold model.path ({cfg.model.path}) as the base "
+                          f"but the policy trains adapters on policy.model_path ({cfg.policy.model_path}); use one "
+                          "model or sync the merged weights (false)")
 
 
 def _check_tools(cfg: RunConfig) -> None:

@@ -88,7 +88,8 @@ def grpo_step(roles: Roles, ctx: StepContext) -> dict[str, float]:
     with ctx.phase("train"):
         train_metrics = roles.policy.train(batch, loss_config(cfg))
     with ctx.phase("sync"):
-        roles.rollout.sync_weights(roles.policy)
+        synced = roles.rollout.sync_weights(roles.policy)
     ctx.kl_ctrl.update(adv_metrics.get("kl", 0.0), len(batch))
     return {**rollout_metrics(batch), **adv_metrics, **train_metrics, "policy_loss": train_metrics.get("pg_loss", 0.0),
-            "kl_coef": ctx.kl_ctrl.value}
+            "kl_coef": ctx.kl_ctrl.value,
+            "sync/bytes": synced["sync/bytes"]}

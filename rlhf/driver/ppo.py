@@ -20,8 +20,9 @@ def ppo_step(roles: Roles, ctx: StepContext) -> dict[str, float]:
         critic_metrics = roles.critic.train(batch, value_loss_config(cfg))
         policy_metrics = roles.policy.train(batch, loss_config(cfg))
     with ctx.phase("sync"):
-        roles.rollout.sync_weights(roles.policy)
+        synced = roles.rollout.sync_weights(roles.policy)
     ctx.kl_ctrl.update(adv_metrics.get("kl", 0.0), len(batch))
     critic_metrics = {f"critic/{k}": v for k, v in critic_metrics.items()}
     return {**rollout_metrics(batch), **adv_metrics, **policy_metrics, **critic_metrics,
-            "policy_loss": policy_metrics.get("pg_loss", 0.0), "kl_coef": ctx.kl_ctrl.value}
+            "policy_loss": policy_metrics.get("pg_loss", 0.0), "kl_coef": ctx.kl_ctrl.value,
+            "sync/bytes": synced["sync/bytes"]}

@@ -16,8 +16,11 @@ FAST = [
 ]
 
 
-def rlhf(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def rlhf(*args: str, timeout: int = 600, path: Path | None = None) -> subprocess.CompletedProcess:
+    """`rlhf ARGS` in a subprocess; `path` goes on its PYTHONPATH (for a module:function reward)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    if path is not None:
+        env["PYTHONPATH"] = f"{path}:{env.get('PYTHONPATH', '')}"
     return subprocess.run([sys.executable, "-m", "rlhf", *args], capture_output=True, text=True, env=env,
                           timeout=timeout)
 
@@ -26,22 +29,31 @@ def metrics(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("zero_copy,old_logprobs", [(False, "recompute"), (True, "rollout")])
-def test_grpo_two_steps(tmp_path, zero_copy, old_logprobs):
+@pytest.mark.parametrize("zero_copy,old_logprobs,lora", [(False, "recompute", "adapter"), (True, "rollout", "merged")])
+def test_grpo_two_steps(tmp_path, zero_copy, old_logprobs, lora):
     run = tmp_path / "grpo"
     # Sampling at temperature 0.7: the policy's logprobs of logits / 0.7 must equal vLLM's processed logprobs.
     # recompute: the step logs the engine's mismatch to the policy's recomputed old logprobs (mismatch/*).
     # rollout: the engine's logprobs are the behaviour policy, so the first (on-policy) update sees importance
     # ratios of 1. At step 2 either shows the engine generated with the weights of step 1 (synced; with
-    # zero_copy the engine computes from the file the policy wrote).
+    # zero_copy the engine computes from the file the policy wrote). Both train LoRA adapters (at a learning rate
+    # that moves them): "merged" syncs W + s B A (here into the zero-copy file), "adapter" sends the adapters
+    # alone into vLLM's LoRA support (rollout.sync_lora_adapter); either way the engine's logprobs must match.
+    # The reward is the response's length, so the groups' advantages are not all 0 (the warm start of 5 steps
+    # answers nothing right) and the update moves the adapters.
+    (tmp_path / "length_reward.py").write_text("def length(prompt, response, ground_truth):\n"
+                                               "    return float(len(response))\n")
+    extra = ["policy.lora.rank=4", "policy.optim.lr=1e-2", f"rollout.sync_lora_adapter={lora == 'adapter'}",
+             "reward.fn=length_reward:length", "reward.num_workers=1"]
     r = rlhf("train", "configs/grpo_tiny.yaml", *FAST, "trainer.total_steps=2", "trainer.save_every=2",
              "rollout.temperature=0.7", f"algorithm.old_logprobs={old_logprobs}", f"trainer.output_dir={run}",
-             f"rollout.zero_copy_weights={str(zero_copy).lower()}")
+             f"rollout.zero_copy_weights={str(zero_copy).lower()}", *extra, path=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     rows = metrics(run)
     steps = [row for row in rows if row["step"] > 0]
     assert [row["step"] for row in steps] == [1, 2]
     for step in steps:
+        assert step["grad_norm"] > 0, step  # the adapters are trained
         assert abs(step["ratio_max"] - 1) < 1e-3 and abs(step["ratio_min"] - 1) < 1e-3, step
         if old_logprobs == "recompute":  # fp32 engine and policy: equal up to rounding
             assert 0 <= step["mismatch/logprob_abs_diff_mean"] <= step["mismatch/logprob_abs_diff_max"] < 1e-3, step
@@ -61,6 +73,16 @@ def test_grpo_two_steps(tmp_path, zero_copy, old_logprobs):
     assert (run / "hf" / "tokenizer.json").is_file()
     assert (run / "report.png").is_file() and (run / "config.yaml").is_file()
     assert list((run / "tensorboard").glob("events.*"))
+    # LoRA: adapters only in the checkpoint; the export holds the merged model and the PEFT adapter
+    from megatron.core.dist_checkpointing import load_tensors_metadata
+    from safetensors import safe_open
+
+    keys = list(load_tensors_metadata(str(latest / "policy")))
+    assert keys and all(k.rsplit(".", 1)[-1] in ("lora_a", "lora_b") for k in keys), keys[:4]
+    with safe_open(str(run / "hf" / "adapter" / "adapter_model.safetensors"), "pt") as f:
+        assert max(f.get_tensor(n).abs().max().item() for n in f.keys() if "lora_B" in n) > 0  # noqa: SIM118
+    model_bytes = (run / "hf" / "model.safetensors").stat().st_size  # what a full sync moves
+    assert (steps[0]["sync/bytes"] < model_bytes / 4) == (lora == "adapter"), (steps[0]["sync/bytes"], model_bytes)
 
 
 def test_grpo_moe_example_two_steps(tmp_path):

@@ -59,9 +59,10 @@ class _Run:
     """The state of one `run_agent` call: trajectories, their tool futures and the counters."""
 
     def __init__(self, llm: Any, tokenizer: Any, params: ParamsFn, max_tokens_per_turn: int, cfg: Agent,
-                 trajs: list[Trajectory]) -> None:
+                 trajs: list[Trajectory], lora_request: Any = None) -> None:
         self.engine, self.tokenizer, self.params, self.per_turn, self.cfg = (
             llm.llm_engine, tokenizer, params, max_tokens_per_turn, cfg)
+        self.lora_request = lora_request
         self.trajs = trajs
         self.tag = uuid.uuid4().hex[:8]
         self.errors: Counter[str] = Counter()
@@ -76,7 +77,7 @@ class _Run:
         sp = self.params(i, max(1, min(self.per_turn, left)))
         sp.output_kind = RequestOutputKind.FINAL_ONLY
         self.engine.add_request(f"agent-{self.tag}-{i}-{t.turns}", {"prompt_token_ids": t.prompt_ids + t.token_ids},
-                                sp)
+                                sp, lora_request=self.lora_request)
 
     def finished_turn(self, i: int, c: Any) -> list:
         """Record a finished model turn; return its tool calls (empty: the trajectory is done)."""
@@ -142,12 +143,13 @@ class _Run:
 
 def run_agent(llm: Any, tokenizer: Any, messages: list[list[dict[str, str]]], prompt_ids: list[list[int]],
               params: ParamsFn, max_tokens_per_turn: int, cfg: Agent,
-              ground_truths: list[Any] | None = None) -> tuple[list[Trajectory], dict[str, float]]:
+              ground_truths: list[Any] | None = None, lora_request: Any = None
+              ) -> tuple[list[Trajectory], dict[str, float]]:
     """Run one trajectory per (messages, prompt_ids), each at its own pace: the engine steps while tools run
     in threads, and a trajectory's next turn joins the engine's batch as soon as its tool results are in.
-    Returns the trajectories and `agent/*` metrics."""
+    Returns the trajectories and `agent/*` metrics. `lora_request`: the vLLM LoRA adapter every turn runs with."""
     trajs = [Trajectory([dict(m) for m in msgs], list(ids)) for msgs, ids in zip(messages, prompt_ids)]
-    run = _Run(llm, tokenizer, params, max_tokens_per_turn, cfg, trajs)
+    run = _Run(llm, tokenizer, params, max_tokens_per_turn, cfg, trajs, lora_request)
     if cfg.env is not None:
         for t, gt in zip(trajs, ground_truths or [None] * len(trajs)):
             t.env = cfg.env()

@@ -16,11 +16,16 @@ megatron parallel_state are up (`workers.megatron.parallel.init_distributed`). W
   after a training pass `moe_metrics()` (router losses and expert load, `workers.megatron.moe_metrics`);
   routing replay (`workers.megatron.routing_replay`): a micro-batch's `routes` are the experts its
   tokens use, and `forward_backward(record_routes=True)` keeps the experts every token used.
+- LoRA (`lora`, a `LoRAConfig`): adapters on the targeted linear layers and the rest frozen
+  (`workers.megatron.lora`), so gradients, DDP buffers and optimizer state exist for the adapters only;
+  checkpoints hold the adapters (their optimizer state, the LoRA settings and the base model's path),
+  the base comes from `model_path` again on load; full weights (`iter_hf_weights`) are merged.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -36,6 +41,7 @@ from workers.megatron.ckpt_manifest import check_checkpoint, write_manifest
 from workers.megatron.cpu_compat import cuda_absent
 from workers.megatron.ep_align import Aligned, align_micros, round_columns
 from workers.megatron.hf_weights import HFTensorSource
+from workers.megatron.lora_config import LoRAConfig
 from workers.megatron.masks import follow_mask
 from workers.megatron.micro_batch import Micro
 from workers.megatron.moe_config import MoEConfig
@@ -58,6 +64,7 @@ class MegatronEngine:
         load_weights: bool = True,
         recompute: bool = False,
         moe: MoEConfig | dict[str, Any] | None = None,
+        lora: LoRAConfig | dict[str, Any] | None = None,
     ) -> None:
         from megatron.core import parallel_state as ps
         from transformers import AutoConfig
@@ -89,6 +96,13 @@ class MegatronEngine:
         model.to(self.device)
         if load_weights:
             self._load_hf(model, model_path)
+        self.lora = None if lora is None else build(LoRAConfig, lora)
+        if self.lora is not None:
+            if not trainable:
+                raise ValueError("LoRA adapters are for a trained model; this engine is frozen")
+            from workers.megatron.lora import apply_lora
+
+            apply_lora(model, self.lora)  # freezes the base: DDP and the optimizer see the adapters only
         self.module = model
         self.config = model.config
         self.supports_explicit_positions = rope_positions.install(model)
@@ -385,6 +399,10 @@ class MegatronEngine:
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
         model_sd = self.module.sharded_state_dict()
+        if self.lora is not None:  # the base comes from model_path: only the adapters are saved and loaded
+            from workers.megatron.lora import is_adapter_key
+
+            model_sd = {k: v for k, v in model_sd.items() if is_adapter_key(k)}
         state: dict[str, Any] = {"model": model_sd}
         if with_optimizer and self.optimizer is not None:
             meta = _DIST_OPT_META if self.optim.use_distributed_optimizer else None
@@ -405,6 +423,8 @@ class MegatronEngine:
         torch.distributed.barrier()
         state = self._sharded_state(with_optimizer=True, is_loading=False)
         state["meta"] = {"layout": self._layout(), "steps": self.steps, "value_head": self.value_head}
+        if self.lora is not None:
+            state["meta"]["lora"] = {**dataclasses.asdict(self.lora), "base_model": str(self.model_path)}
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
         with torch.no_grad():
@@ -430,6 +450,7 @@ class MegatronEngine:
         path = str(path)
         common = dist_checkpointing.load_common_state_dict(path)
         meta = dict(common.get("meta", {}))
+        _check_lora_match(meta.get("lora"), self.lora, path, str(self.model_path))
         saved = {"ep": 1, **meta.get("layout", {})}  # checkpoints from before expert parallelism: ep 1
         same_mp = {k: v for k, v in saved.items() if k != "dp"} == {k: v for k, v in self._layout().items() if k != "dp"}
         with_opt = load_optimizer and self.optimizer is not None
@@ -440,7 +461,10 @@ class MegatronEngine:
             state.pop("rng")
         with torch.no_grad():
             loaded = dist_checkpointing.load(state, path)
-            self.module.load_state_dict(loaded["model"])
+            if self.lora is None:
+                self.module.load_state_dict(loaded["model"])
+            else:  # adapters only; the frozen base stays as loaded from model_path
+                self.module.load_state_dict(loaded["model"], strict=False)
             if with_opt:
                 self.optimizer.load_state_dict(loaded["optimizer"])
                 _restore_adam_steps(self.optimizer)
@@ -482,6 +506,27 @@ class MegatronEngine:
         for p in self.module.parameters():
             p.data = p.data.to(self.device, non_blocking=True)
         self._offloaded = False
+
+
+def _check_lora_match(saved: dict[str, Any] | None, lora: LoRAConfig | None, path: str, base: str) -> None:
+    """A checkpoint's adapters fit this engine: both LoRA with the same rank and targets, or neither (one
+    line naming what differs). The scale and dropout may change; a different base model is only logged."""
+    if saved is None and lora is None:
+        return
+    if saved is None:
+        raise ValueError(f"checkpoint {path} holds a full model, not LoRA adapters: train it further without "
+                         "policy.lora, or export it to HF and use that folder as the base model")
+    if lora is None:
+        raise ValueError(f"checkpoint {path} holds LoRA adapters (rank {saved['rank']} on "
+                         f"{', '.join(saved['target_modules'])}) of {saved['base_model']}: load it with the same "
+                         "policy.lora settings")
+    for key, now in (("rank", lora.rank), ("targets", list(lora.targets()))):
+        was = saved["rank"] if key == "rank" else list(LoRAConfig(target_modules=saved["target_modules"]).targets())
+        if was != now:
+            raise ValueError(f"checkpoint {path} holds LoRA adapters with {key} {was}, the config has {now} "
+                             "(policy.lora must match the checkpoint's)")
+    if saved["base_model"] != base:
+        log.warning("checkpoint %s: LoRA adapters trained on %s, loaded onto %s", path, saved["base_model"], base)
 
 
 def _mark_expert_params(model: torch.nn.Module) -> None:

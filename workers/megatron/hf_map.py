@@ -475,6 +475,8 @@ def bind(model: torch.nn.Module, hf_config: Any) -> list[Binding]:
     tensors: list[tuple[str, torch.Tensor]] = list(model.named_parameters())
     tensors += [(n, b) for n, b in model.named_buffers() if n.endswith(EXPERT_BIAS_SUFFIX)]
     for name, param in tensors:
+        if getattr(param, "lora_adapter", False):  # a LoRA factor: not an HF tensor (workers/megatron/lora.py)
+            continue
         m = _LAYER_RE.match(name)
         if m:
             local, suffix = int(m.group(1)), m.group(2)

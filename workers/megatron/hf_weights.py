@@ -9,7 +9,8 @@
   embedding on the first stage, `model.norm` and `lm_head` / `score` on the last), identical on all
   ranks of a TP group and on all DP replicas. Consumers usually keep the output of the ranks where
   `is_hf_weight_source()` holds (tp rank 0, dp rank 0: one per PP stage); together these cover every
-  HF tensor exactly once. Vocab padding is removed; a tied output layer is not yielded.
+  HF tensor exactly once. Vocab padding is removed; a tied output layer is not yielded. A LoRA layer
+  (`workers.megatron.lora`) yields its merged weight W + s B A: each shard is merged locally first.
 - `write_hf_shards(model, hf_config, target)`: the same result without any collective: this rank copies
   its own TP shard of every parameter into its rows / columns of the full HF tensors `target(name)`
   returns (e.g. views of a shared-memory file). When every rank of one DP replica writes its dense
@@ -30,6 +31,7 @@ import torch
 from workers.files import FileProblem, file_errors
 from workers.megatron.hf_map import (
     REPLICATED,
+    Binding,
     Dims,
     bind,
     check_hf_tensors,
@@ -40,6 +42,7 @@ from workers.megatron.hf_map import (
     to_mcore_shard,
     tp_concat_dim,
 )
+from workers.megatron.lora import LoRALinear, adapted_layers
 from workers.megatron.parallel import tp_layout
 from workers.megatron.value_head import ValueHead
 
@@ -161,10 +164,11 @@ def iter_hf_weights(
     d = Dims.from_hf(hf_config)
     _, tp, group = tp_layout()
     _, ep, ep_group = ep_layout()
+    lora = adapted_layers(model)
     for b in bind(model, hf_config):
         if b.alias:
             continue
-        local = b.param.detach()
+        local = _local_weight(b, lora)
         if tp > 1 and tp_concat_dim(b.kind) is not None:
             shards = [torch.empty_like(local) for _ in range(tp)]
             torch.distributed.all_gather(shards, local.contiguous(), group=group)
@@ -180,6 +184,12 @@ def iter_hf_weights(
             continue
         for name, tensor in zip(b.hf_names, full):
             yield name, tensor if dtype is None else tensor.to(dtype)
+
+
+def _local_weight(b: Binding, lora: Mapping[int, LoRALinear]) -> torch.Tensor:
+    """This rank's shard of `b` as the model computes with it: W, or W + s B A for a LoRA layer."""
+    layer = lora.get(id(b.param))
+    return b.param.detach() if layer is None else layer.merged_weight()
 
 
 def yielded_hf_names(model: torch.nn.Module, hf_config: Any) -> list[str]:
@@ -206,6 +216,7 @@ def write_hf_shards(model: torch.nn.Module, hf_config: Any, target: Callable[[st
     d = Dims.from_hf(hf_config)
     tp_rank, tp, _ = tp_layout()
     etp_rank, etp = expert_tp_layout()
+    lora = adapted_layers(model)
     n = nbytes = 0
     for b in bind(model, hf_config):
         if b.alias or not (experts if b.expert else dense):
@@ -214,7 +225,7 @@ def write_hf_shards(model: torch.nn.Module, hf_config: Any, target: Callable[[st
         if b.kind == REPLICATED and rank != 0:
             continue
         out = [target(name) for name in b.hf_names]
-        nbytes += shard_into_hf(b.kind, b.param.detach(), out, d, rank, size) * out[0].element_size()
+        nbytes += shard_into_hf(b.kind, _local_weight(b, lora), out, d, rank, size) * out[0].element_size()
         n += 1
     return {"tensors": n, "bytes": nbytes}
 

@@ -1,7 +1,8 @@
 """`MegatronWorker`: a group rank whose world is megatron-core parallel state and whose model is a
 `MegatronEngine`. Shared by the policy, reference, critic and reward-model roles.
 
-init_kwargs (from `WorkerGroup(init_kwargs=...)`): the fields of `MegatronOptions` (workers/roles/options.py).
+init_kwargs (from `WorkerGroup(init_kwargs=...)`): the fields of `MegatronOptions` (workers/roles/options.py;
+`lora`: LoRA adapters, the trained policy only).
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ class MegatronWorker(Worker):
         self.micro_batch_size = int(o.micro_batch_size)
         self.offload_between_calls = bool(o.offload)
         self.engine = MegatronEngine(o.model_path, dtype=o.dtype, value_head=self.value_head, trainable=self.trainable,
-                                     optim=o.optim, moe=o.moe, load_weights=o.load_weights, recompute=o.recompute)
+                                     optim=o.optim, moe=o.moe, lora=o.lora, load_weights=o.load_weights,
+                                     recompute=o.recompute)
         pack = o.pack_sequences
         if pack is None:
             pack = "prefix" if self.engine.supports_explicit_positions else True

@@ -2,7 +2,9 @@
 
 Collective over the whole world. One rank per pipeline stage (tp 0, dp 0) writes that stage's tensors
 to its own safetensors file while they are gathered over TP; rank 0 then writes the index (when there
-are several files), config.json, the generation config and the tokenizer files.
+are several files), config.json, the generation config and the tokenizer files. A LoRA model exports its
+merged weights (W + s B A) there, and its adapters in PEFT's format under `adapter/`
+(`workers.megatron.lora_peft`), loadable onto the base model with `peft.PeftModel.from_pretrained`.
 
 A value-head model (reward model, critic) becomes an HF sequence-classification model: `score.weight`
 instead of the LM head, `architectures: [<Family>ForSequenceClassification]`, `num_labels: 1` and
@@ -24,6 +26,7 @@ import torch
 
 log = logging.getLogger("workers")
 _EXTRA_FILES = ("generation_config.json",)
+ADAPTER_SUBDIR = "adapter"  # a LoRA model's PEFT adapter folder inside the export
 
 
 def stage_file_name(stage: int, pp: int) -> str:
@@ -121,4 +124,8 @@ def export_hf_folder(engine: Any, path: str | Path, tokenizer_path: str | None =
             write_hf_index(out, files)
         _write_side_files(engine, out, tokenizer_path)
     dist.barrier()
+    if engine.lora is not None:  # the merged weights above, and the adapters alone in PEFT's format
+        from workers.megatron.lora_peft import write_peft_adapter
+
+        write_peft_adapter(engine, out / ADAPTER_SUBDIR)
     return out

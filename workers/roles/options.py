@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from workers.megatron.lora_config import LoRAConfig
 from workers.megatron.moe_config import MoEConfig
 from workers.megatron.optim_config import OptimSettings
 
@@ -15,6 +16,9 @@ class RoleOptions:
     """The settings of a Megatron role a run sets (its `policy`, `reference`, `critic` or `reward_model`)."""
 
     moe: MoEConfig = field(default_factory=MoEConfig)  # MoE models: router losses, expert-bias rate, dispatcher
+    # policy only: train LoRA adapters (rank, alpha, dropout, target_modules) on the frozen model instead of all
+    # of it; null = full fine-tuning. `policy.lora.rank=16` turns it on with the other defaults.
+    lora: LoRAConfig | None = None
     micro_batch_size: int = 8
     dtype: str = "float32"  # float32 | bfloat16
     offload: bool = False  # GPU only: keep parameters on CPU between uses

@@ -103,6 +103,26 @@ class PolicyWorker(RolloutSyncMixin, LogprobMixin, LMMixin, PreferenceMixin, Meg
         never goes through the driver). `workers.roles.weights.fetch_state_dict(refs)` merges them."""
         return put_buckets(self.engine, bucket_mb)
 
+    @register(ONE_TO_ALL, collect="rank0")
+    def lora_adapter(self) -> dict[str, Any]:
+        """The LoRA adapters in PEFT's names and config (`gather_peft_adapter`), for the rollout's adapter sync;
+        collective."""
+        from workers.megatron.lora_peft import gather_peft_adapter
+
+        with self.onloaded():
+            return gather_peft_adapter(self.engine) or {}
+
+    @register(ONE_TO_ALL, collect="rank0")
+    def save_lora_adapter(self, out_dir: str) -> dict[str, float]:
+        """Write the LoRA adapters alone as a PEFT folder (workers.megatron.lora_peft) into `out_dir`;
+        collective. Returns its `bytes` and the `time_s` it took."""
+        from workers.megatron.lora_peft import WEIGHTS_FILE, write_peft_adapter
+
+        t0 = time.perf_counter()
+        out = write_peft_adapter(self.engine, out_dir)
+        size = (out / WEIGHTS_FILE).stat().st_size if torch.distributed.get_rank() == 0 else 0
+        return {"bytes": float(size), "time_s": time.perf_counter() - t0}
+
 
 def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Logits of the sampling distribution at `temperature` (the rollout's): logits / temperature."""

@@ -66,6 +66,7 @@ class EngineConfig(EngineOptions):
     # a cached prompt token is not run, so it would have no routes.
     return_routed_experts: bool = False
     work_dir: str | None = None  # TMPDIR / VLLM_CACHE_ROOT for the engine (None: a fresh temp folder)
+    max_lora_rank: int = 0  # > 0: vLLM's LoRA support on, for adapters up to this rank (rollout.sync_lora_adapter)
     extra: dict[str, Any] = field(default_factory=dict)  # passed to vllm.LLM as is
 
     def validate(self) -> EngineConfig:
@@ -87,6 +88,9 @@ class SyncOptions:
     verify_first_sync: bool = True  # compare engine and policy logprobs after the first sync
     verify_every_sync: bool = False
     verify_tolerance: float = 1e-3  # max |engine - policy| logprob for float32 engines
+    # with policy.lora: send only the adapters (a PEFT folder, a few MB) into vLLM's own LoRA support instead of
+    # the merged weights; the engines then run the base model plus the adapter (slower per token on CPU)
+    sync_lora_adapter: bool = False
 
 
 @dataclass
@@ -170,5 +174,18 @@ def llm_kwargs(cfg: EngineConfig) -> dict[str, Any]:
         if cfg.tp != 1:
             raise ValueError(f"EngineConfig.tp={cfg.tp}: CPU engines run in-process with tp=1 (use several engines)")
         kw["distributed_executor_backend"] = "uni"
+    if cfg.max_lora_rank > 0:  # one adapter at a time: each sync's replaces the last
+        kw.update(enable_lora=True, max_loras=1, max_lora_rank=lora_rank_bucket(cfg.max_lora_rank))
     kw.update(cfg.extra)
     return kw
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values
+
+
+def lora_rank_bucket(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM accepts that holds adapters of `rank` (ValueError past 512)."""
+    for r in VLLM_LORA_RANKS:
+        if r >= rank:
+            return r
+    raise ValueError(f"LoRA rank {rank}: vLLM serves adapters up to rank {VLLM_LORA_RANKS[-1]}")

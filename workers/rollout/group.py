@@ -200,6 +200,10 @@ class RolloutGroup:
             syncer = self._syncers[key] = WeightSyncer(policy_group, self, config)
         return syncer.sync(verify=verify, **session_overrides)
 
+    def load_lora_adapter(self, adapter: dict[str, Any]) -> list[dict[str, Any]]:
+        """Serve the policy's LoRA adapter (`gather_peft_adapter`'s result) on every engine (the adapter sync)."""
+        return self._all("load_lora_adapter", adapter)
+
     def load_weights(self, weights: list[tuple[str, Any]]) -> None:
         """Load the same HF-named tensors into every engine (small models, tests)."""
         self._all("load_weights", weights)

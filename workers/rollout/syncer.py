@@ -56,6 +56,8 @@ class WeightSyncer:
 
     def sync(self, verify: bool | None = None, **session_overrides: Any) -> dict[str, Any]:
         """Push the policy's current weights into every engine; verify when asked (default: first sync)."""
+        if self.cfg.sync_lora_adapter:
+            return self._finish(self.sync_adapter(), verify)
         t0 = time.perf_counter()
         session = self.session(**session_overrides)
         fut = self.policy.send_weights_to_rollout.remote(session)
@@ -94,13 +96,33 @@ class WeightSyncer:
         if any("buckets" in s for s in src):  # bucketed transports (shm moves one file, no buckets)
             stats["sync/buckets"] = float(sum(s["buckets"] for s in src))
             stats["sync/max_bucket_mb"] = max(s["max_bucket_bytes"] for s in src) / (1 << 20)
+        return self._finish(stats, verify)
+
+    def _finish(self, stats: dict[str, Any], verify: bool | None) -> dict[str, Any]:
         if verify is None:
             verify = (self.cfg.verify_first_sync and self.num_syncs == 1) or self.cfg.verify_every_sync
         if verify:
             stats["sync/verify_max_abs_diff"] = self.verify()
-        log.info("weight sync %d (%s): %.3fs, %.1f MB", self.num_syncs, self.transport.name, elapsed,
+        how = "lora adapter" if self.cfg.sync_lora_adapter else self.transport.name
+        log.info("weight sync %d (%s): %.3fs, %.1f MB", self.num_syncs, how, stats["sync/time_s"],
                  stats["sync/bytes"] / 1e6)
         return stats
+
+    def sync_adapter(self) -> dict[str, Any]:
+        """rollout.sync_lora_adapter: the policy's LoRA adapters (gathered to its rank 0, a few MB) go through
+        Ray to every engine, which serves them with vLLM's LoRA support on its unchanged base weights."""
+        t0 = time.perf_counter()
+        try:
+            adapter = self.policy.lora_adapter()
+            t1 = time.perf_counter()
+            recv = self.rollout.load_lora_adapter(adapter)
+        except Exception as exc:
+            raise sync_error(exc, f"rollout ranks 0..{self.rollout.num_engines - 1} <- policy rank 0 (LoRA "
+                                  f"adapter)") from exc
+        self.num_syncs += 1
+        nbytes = sum(t.numel() * t.element_size() for t in adapter["tensors"].values())
+        return {"sync/time_s": time.perf_counter() - t0, "sync/bytes": float(nbytes), "sync/gather_s": t1 - t0,
+                "sync/receive_s": max(r["time_s"] for r in recv), "sync/lora_adapter": 1.0}
 
     def _drain_policy(self, fut: Any, session: SyncSession) -> None:
         """After a receive failure, let the policy's send finish (it drains and raises); never hang."""

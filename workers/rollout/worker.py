@@ -76,6 +76,7 @@ class RolloutWorker:
         self.dirty: str | None = None  # set when a weight update failed midway
         self.num_syncs = 0
         self._sync_endpoint: Any = None
+        self.lora_request: Any = None  # the policy's adapter (rollout.sync_lora_adapter), sent with every request
 
     def __repr__(self) -> str:  # Ray prefixes the actor's log lines with it
         return self.name
@@ -120,7 +121,7 @@ class RolloutWorker:
         t1 = time.perf_counter()
         if self.cfg.return_routed_experts:
             self.llm.collective_rpc(route_capture.clear)
-        results = self.llm.generate(reqs, params, use_tqdm=False)
+        results = self.llm.generate(reqs, params, use_tqdm=False, lora_request=self.lora_request)
         t2 = time.perf_counter()
         if self.cfg.return_routed_experts:
             route_capture.attach(results, self.llm.collective_rpc(route_capture.take)[0])
@@ -167,7 +168,7 @@ class RolloutWorker:
         t0 = time.perf_counter()
         trajs, metrics = run_agent(self.llm, self.tokenizer, [chats[i // sp.n] for i in range(rows)],
                                    [p.ids[i // sp.n] for i in range(rows)], params, sp.max_tokens, cfg,
-                                   [gts[i // sp.n] for i in range(rows)])
+                                   [gts[i // sp.n] for i in range(rows)], lora_request=self.lora_request)
         comps = [trajs[i * sp.n:(i + 1) * sp.n] for i in range(len(p.ids))]
         out = build_output(p, comps, sp.n, self.pad_id, tokenizer=None)
         if opts.env:
@@ -182,7 +183,8 @@ class RolloutWorker:
 
         self._check_awake()
         sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-        res = self.llm.generate([{"prompt_token_ids": list(map(int, s))} for s in sequences], sp, use_tqdm=False)
+        res = self.llm.generate([{"prompt_token_ids": list(map(int, s))} for s in sequences], sp, use_tqdm=False,
+                                lora_request=self.lora_request)
         out = []
         for seq, r in zip(sequences, res):
             steps = r.prompt_logprobs[1:]
@@ -199,7 +201,7 @@ class RolloutWorker:
         params = [SamplingParams(max_tokens=1, temperature=0.0, logprob_token_ids=[int(t) for t in c],
                                  detokenize=False) for c in candidates]
         res = self.llm.generate([{"prompt_token_ids": [int(t) for t in p]} for p in prompts], params,
-                                use_tqdm=False)
+                                use_tqdm=False, lora_request=self.lora_request)
         return [[float(r.outputs[0].logprobs[0][int(t)].logprob) for t in c] for r, c in zip(res, candidates)]
 
     # ---- weights ---------------------------------------------------------------------------------
@@ -216,6 +218,32 @@ class RolloutWorker:
 
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
+
+    def load_lora_adapter(self, adapter: dict[str, Any]) -> dict[str, Any]:
+        """Serve the policy's LoRA adapter from now on (`workers.megatron.lora_peft.gather_peft_adapter`'s
+        result, on top of the base weights the engine was built with): written as a PEFT folder under the work
+        dir and loaded into vLLM under a new adapter id, which replaces the previous one. Needs an engine built
+        with `max_lora_rank` >= the adapter's rank."""
+        import shutil
+
+        from vllm.lora.request import LoRARequest
+
+        from workers.megatron.lora_peft import write_peft_folder
+
+        if not self.cfg.max_lora_rank:
+            raise ValueError("this engine was built without LoRA support (EngineConfig.max_lora_rank=0)")
+        t0 = time.perf_counter()
+        n = (self.lora_request.lora_int_id if self.lora_request is not None else 0) + 1
+        folder = write_peft_folder(adapter, os.path.join(self.work_dir, "lora", f"adapter-{n}"))
+        request = LoRARequest(f"policy-{n}", n, str(folder))
+        old, self.lora_request = self.lora_request, None
+        if old is not None:  # vLLM holds one adapter (max_loras=1): the previous one goes first
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        self.llm.llm_engine.add_lora(request)  # loaded now, not by the next generate
+        self.lora_request = request
+        self.num_syncs += 1
+        return {"time_s": time.perf_counter() - t0, "lora_id": n}
 
     def open_sync_endpoint(self) -> tuple[str, int]:
         """Host the control store of weight sync in this process; return (host, port). Idempotent."""

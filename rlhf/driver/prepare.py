@@ -100,9 +100,18 @@ def _model(cfg: RunConfig, out: Path) -> None:
             shutil.rmtree(warm, ignore_errors=True)
             tmp = warm.with_name(warm.name + ".tmp")
             sft_warm_start(base, pairs, tmp, steps=m.warm_start_steps, batch_size=m.warm_start_batch,
-                           lr=m.warm_start_lr, seed=cfg.trainer.seed)
+                           lr=m.warm_start_lr, seed=cfg.trainer.seed, tools=rollout_tool_schemas(cfg))
             tmp.rename(warm)
         m.path = str(warm)
+
+
+def rollout_tool_schemas(cfg: RunConfig) -> list[dict] | None:
+    """The schemas of rollout.tools, as the rollout renders them into every prompt (None without tools)."""
+    if not cfg.rollout.tools:
+        return None
+    from workers.agent.tools import load_tools, tool_schemas
+
+    return tool_schemas(load_tools(list(cfg.rollout.tools)))
 
 
 def _warm_start_items(cfg: RunConfig, out: Path) -> list:
@@ -141,7 +150,8 @@ def prompt_limit(cfg: RunConfig) -> PromptLimit | None:
         from workers.rollout.prompts import normalise
 
         tokenizer = tokenizer or load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
-        return [len(ids) for ids in normalise([r["prompt"] or r["messages"] for r in records], tokenizer).ids]
+        prompts = [r["prompt"] or r["messages"] for r in records]
+        return [len(ids) for ids in normalise(prompts, tokenizer, rollout_tool_schemas(cfg)).ids]
 
     return PromptLimit(context - max_tokens, f"max_position_embeddings ({context}) - rollout.max_tokens "
                        f"({max_tokens}) = {context - max_tokens}", count, cfg.data.overlong_prompts)

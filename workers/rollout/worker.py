@@ -131,7 +131,7 @@ class RolloutWorker:
         from workers.agent.loop import Agent, run_agent
         from workers.agent.options import AgentOptions
         from workers.agent.toolcalls import CLOSE
-        from workers.agent.tools import load_tools
+        from workers.agent.tools import load_tools, tool_schemas
 
         sp = _sampling(sampling)
         self._check_awake()
@@ -139,15 +139,15 @@ class RolloutWorker:
         chats = batch.meta.get("messages") or batch.meta.get("prompt") or []
         if len(chats) != len(batch) or not all(isinstance(m, list) for m in chats):
             raise ValueError("generate_agent needs chat messages per prompt (meta `messages`)")
-        p = normalise(batch, self.tokenizer)
+        opts = AgentOptions(list(tools), max_turns, max_total_tokens, tool_timeout_s, env, env_reward)
+        cfg = Agent(opts, load_tools(opts.tools), load_env(env) if env else None)
+        p = normalise(batch, self.tokenizer, tool_schemas(cfg.tools))
         one = sp.with_(n=1, stop=[*sp.stop, CLOSE])
         rows = len(p.ids) * sp.n
 
         def params(i: int, max_tokens: int) -> Any:
             return one.with_(max_tokens=max_tokens).to_vllm(seed=None if sp.seed is None else sp.seed + i)
 
-        opts = AgentOptions(list(tools), max_turns, max_total_tokens, tool_timeout_s, env, env_reward)
-        cfg = Agent(opts, load_tools(opts.tools), load_env(env) if env else None)
         gts = batch.meta.get("ground_truth") or [None] * len(batch)
         t0 = time.perf_counter()
         trajs, metrics = run_agent(self.llm, self.tokenizer, [chats[i // sp.n] for i in range(rows)],

@@ -50,12 +50,19 @@ def sft_warm_start(model_dir: str | Path, pairs: list[tuple[str | list, str]] | 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
-    encoded = [_encode_item(tok, item, tools) for item in pairs]
+    encoded: dict[int, tuple[list[int], list[int]]] = {}  # encoded when first drawn: many items, few steps
+
+    def draw() -> tuple[list[int], list[int]]:
+        k = rng.randrange(len(pairs))
+        if k not in encoded:
+            encoded[k] = _encode_item(tok, pairs[k], tools)
+        return encoded[k]
+
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / steps))
     pad = tok.pad_token_id
     for _ in range(steps):
-        items = [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)]
+        items = [draw() for _ in range(batch_size)]
         width = max(len(seq) for seq, _ in items)
         ids = torch.full((batch_size, width), pad, dtype=torch.long)
         target = torch.zeros((batch_size, width))  # 1 on the answer tokens and the end of turn

@@ -453,3 +453,25 @@ def test_agent_metrics_merge_across_engines():
     assert (m["agent/tool_errors/timeout"], m["agent/tool_errors/malformed"]) == (1.0, 2.0)
     assert (m["rollout/response_tokens"], m["rollout/generate_s"]) == (40, 2.0)
     assert not any(k.startswith("agent/") for k in _merge_info([{"rollout/generate_s": 1.0}] * 2, [2, 2]))
+
+
+def test_the_sandbox_isolation_level_is_reported_at_startup(monkeypatch, caplog, capsys):
+    """A run that executes untrusted code prints the sandbox's isolation level (the probe logs it too), and a
+    warning when the kernel leaves it resource limits only; a run without such code probes nothing."""
+    import logging
+
+    import workers.sandbox
+    from rlhf.config import load_config
+    from rlhf.driver.rl import report_sandbox
+    from workers.sandbox import namespaces_available
+
+    base = ["model.preset=tiny-qwen2"]
+    assert report_sandbox(load_config(None, base)) is None
+    namespaces_available.cache_clear()
+    with caplog.at_level(logging.INFO, logger="workers.sandbox.sandbox"):
+        line = report_sandbox(load_config(None, [*base, "rollout.tools=[python]"]))
+    assert line and line.startswith("sandbox: namespaces") and line in capsys.readouterr().out
+    assert "sandbox isolation: namespaces" in caplog.text
+    monkeypatch.setattr(workers.sandbox, "namespaces_available", lambda: False)
+    line = report_sandbox(load_config(None, [*base, "reward.fn=rlhf.eval.code:unit_test_pass_rate"]))
+    assert line and line.startswith("WARNING sandbox: resource limits only") and "WITHOUT network" in line

@@ -6,7 +6,7 @@ examples lower the held-out loss. The criteria count steps and evaluations, neve
 passes too; wall time is reported beside them. The table between the markers in bench/RESULTS.md is
 replaced by this run's rows; the exit code is 1 if any example missed its criterion.
 
-    python examples/learning.py                   # all examples (~25 min on 2 cores)
+    python examples/learning.py                   # all examples (over 40 min on 2 cores: the sum of the table's wall times)
     python examples/learning.py --only grpo_tiny  # one of them
 """
 

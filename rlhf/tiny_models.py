@@ -18,8 +18,17 @@ EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
 
 # ChatML. The {% generation %} block marks the assistant tokens that carry the SFT loss
-# (transformers' `return_assistant_tokens_mask=True`).
+# (transformers' `return_assistant_tokens_mask=True`). With `tools` (OpenAI function schemas), a first system
+# turn lists each tool's signature, one per line: `calculator(expression: string)`. Real chat templates
+# (Qwen's, Hermes') render the whole JSON schema with its descriptions; a ~1M-parameter model reads no prose,
+# and the signature is what it must copy into a call, in 15 tokens rather than 150.
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\ntools:' }}"
+    "{% for tool in tools %}{% set f = tool['function'] if 'function' in tool else tool %}"
+    "{{ '\n' + f['name'] + '(' }}"
+    "{% for name, p in f['parameters']['properties'].items() %}"
+    "{{ name + ': ' + p['type'] }}{% if not loop.last %}{{ ', ' }}{% endif %}{% endfor %}{{ ')' }}"
+    "{% endfor %}{{ '<|im_end|>\n' }}{% endif %}"
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' }}"
     "{% if message['role'] == 'assistant' %}"

@@ -208,3 +208,32 @@ def test_every_shipped_config_is_a_learning_example_and_validates(monkeypatch):
         assert examples[name].promise.strip() and examples[name].metric, name
         cfg = load_config(path)  # validates
         assert cfg.model.path or cfg.model.preset, name
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer():
+    from rlhf.tiny_models import build_tokenizer
+
+    return build_tokenizer(512)
+
+
+@pytest.mark.parametrize("name", ["grpo_tiny_tools", "grpo_tiny_code"])
+def test_agent_example_configs_load_and_fit_their_task(name, tiny_tokenizer):
+    """The tool and code examples load and validate as shipped, and each turn's token budget holds what the
+    warm start teaches the policy to write (the calculator call; the longest reference solution)."""
+    from rlhf.data import code_tasks, tool_tasks
+
+    cfg = load_config(f"configs/{name}.yaml")
+    tok = tiny_tokenizer
+    r = cfg.rollout
+    if name == "grpo_tiny_tools":
+        assert (cfg.data.task, r.tools, cfg.reward.fn) == ("multiply_tool", ["calculator"], "exact_match")
+        call = len(tok(tool_tasks.call_text("999*999"), add_special_tokens=False)["input_ids"]) + 1
+        answer = len(tok(str(999 * 999))["input_ids"]) + 1
+        tool_turn = len(tok(f"<|im_end|>\n<|im_start|>tool\n{999 * 999}<|im_end|>\n<|im_start|>assistant\n")["input_ids"])
+        assert r.max_tokens >= call and r.max_total_tokens >= call + tool_turn + answer, (call, tool_turn, answer)
+        assert r.max_turns >= 2
+    else:
+        assert (cfg.data.task, cfg.reward.fn, r.tools) == ("code_functions", "rlhf.eval.code:unit_test_pass_rate", [])
+        longest = max(len(tok(code_tasks.solution(t))["input_ids"]) + 1 for t in code_tasks.all_tasks())
+        assert r.max_tokens >= longest, longest

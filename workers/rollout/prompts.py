@@ -42,12 +42,13 @@ def as_batch(prompts: Batch | Sequence[Any]) -> Batch:
     return Batch(meta={"prompt": items})
 
 
-def normalise(prompts: Batch | Sequence[Any], tokenizer: Any) -> Prompts:
+def normalise(prompts: Batch | Sequence[Any], tokenizer: Any, tools: list[dict[str, Any]] | None = None) -> Prompts:
     """Token ids and text of each prompt.
 
     Fields, first found wins: meta `prompt_ids` (token-id lists, used as is; text decoded), `messages`
-    (chat messages; the chat template is applied with the generation prompt), `prompt` (each entry a
-    string, used as raw text, or a list of message dicts, chat-templated).
+    (chat messages; the chat template is applied with the generation prompt and `tools`, the schemas of the
+    tools the model may call, as SFT renders them: rlhf/data/chat.py), `prompt` (each entry a string, used as
+    raw text, or a list of message dicts, chat-templated).
     """
     batch = as_batch(prompts)
     if len(batch) == 0:
@@ -65,7 +66,8 @@ def normalise(prompts: Batch | Sequence[Any], tokenizer: Any) -> Prompts:
     text, templated = [], []
     for i, x in enumerate(values):
         if _is_messages(x):
-            text.append(tokenizer.apply_chat_template(list(x), add_generation_prompt=True, tokenize=False))
+            text.append(tokenizer.apply_chat_template(list(x), tools=tools, add_generation_prompt=True,
+                                                      tokenize=False))
             templated.append(True)
         elif isinstance(x, str):
             text.append(x)

@@ -147,7 +147,7 @@ class RolloutWorker:
         from workers.agent.env import AGGREGATIONS, load_env
         from workers.agent.loop import Agent, run_agent
         from workers.agent.toolcalls import CLOSE
-        from workers.agent.tools import load_tools
+        from workers.agent.tools import load_tools, tool_schemas
 
         sp = as_sampling(sampling)
         self._check_awake()
@@ -155,15 +155,15 @@ class RolloutWorker:
         chats = batch.meta.get("messages") or batch.meta.get("prompt") or []
         if len(chats) != len(batch) or not all(isinstance(m, list) for m in chats):
             raise ValueError("generate_agent needs chat messages per prompt (meta `messages`)")
-        p = normalise(batch, self.tokenizer)
+        opts = build(AgentOptions, agent)
+        cfg = Agent(opts, load_tools(opts.tools), load_env(opts.env) if opts.env else None)
+        p = normalise(batch, self.tokenizer, tool_schemas(cfg.tools))
         one = sp.with_(n=1, stop=[*sp.stop, CLOSE])
         rows = len(p.ids) * sp.n
 
         def params(i: int, max_tokens: int) -> Any:
             return one.with_(max_tokens=max_tokens).to_vllm(seed=None if sp.seed is None else sp.seed + i)
 
-        opts = build(AgentOptions, agent)
-        cfg = Agent(opts, load_tools(opts.tools), load_env(opts.env) if opts.env else None)
         gts = batch.meta.get("ground_truth") or [None] * len(batch)
         t0 = time.perf_counter()
         trajs, metrics = run_agent(self.llm, self.tokenizer, [chats[i // sp.n] for i in range(rows)],

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import selectors
 import shutil
@@ -17,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -51,11 +53,21 @@ class SandboxResult:
     isolation: str  # "namespaces" or "limits" (the kernel refused namespaces)
 
 
+log = logging.getLogger(__name__)
+
+
 @functools.cache
 def namespaces_available() -> bool:
-    """Whether this kernel lets us create the sandbox's namespaces (probed once with a trivial run)."""
+    """Whether this kernel lets us create the sandbox's namespaces (probed once with a trivial run, whose
+    outcome is logged: the isolation level every later run gets)."""
     probe = _run("pass", SandboxLimits(wall_s=20), stdin="", isolated=True)
-    return probe.status == "ok"
+    if probe.status == "ok":
+        log.info("sandbox isolation: namespaces (no network, private PID space and read-only root) plus limits")
+        return True
+    log.warning("sandbox isolation: LIMITS ONLY. The kernel refused namespaces (%s), so sandboxed code runs "
+                "without network isolation or a private file system: only resource limits, a scrubbed "
+                "environment and its own directory contain it", (probe.stderr.strip() or probe.status)[-200:])
+    return False
 
 
 def run_code(code: str, limits: SandboxLimits | None = None, stdin: str = "") -> SandboxResult:
@@ -181,12 +193,14 @@ def _tasks_of(uid: int) -> int:
 
 
 _slot = 0
+_slot_lock = threading.Lock()  # run_many and the agent loop's tool threads call _run concurrently
 
 
 def _next_slot() -> int:
     global _slot
-    _slot = (_slot + 1) % 16
-    return _slot
+    with _slot_lock:
+        _slot = (_slot + 1) % 16
+        return _slot
 
 
 def _python() -> str:

@@ -44,4 +44,4 @@ def test_pipeline_runs_every_stage(tmp_path):
     logs = "".join(p.read_text(errors="replace") for p in sorted(out.glob("*/logs/**/*.log")))
     assert not VLLM_INFO.search(console), VLLM_INFO.search(console).group(0)
     assert VLLM_INFO.search(logs)
-    assert TE_WARNING not in console and TE_WARNING in logs
+    assert TE_WARNING not in console

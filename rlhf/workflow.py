@@ -76,8 +76,9 @@ def role_group(role: str, rc: RoleConfig, cfg: RunConfig, run_dir: Path, worker_
     return WorkerGroup(  # the resources section's fields are WorkerGroup arguments of the same names
         role=role, worker_cls=worker_cls, tp=par.tp, pp=par.pp, dp=par.dp, **vars(rc.resources),
         timeout_s=cfg.trainer.timeout_s, log_dir=run_dir / "logs", seed=cfg.trainer.seed, resource_pool=pool,
-        init_kwargs=vars(build(MegatronOptions, rc, model_path=model_path or rc.model_path or cfg.model.path,
-                               optim=build(OptimSettings, rc.optim, total_steps=steps), ep=par.ep, **init)),
+        init_kwargs=vars(build(MegatronOptions, rc, **{  # `init` may replace any of these (e.g. the optimizer)
+            "model_path": model_path or rc.model_path or cfg.model.path,
+            "optim": build(OptimSettings, rc.optim, total_steps=steps), "ep": par.ep, **init})),
     )
 
 

@@ -40,6 +40,7 @@ def megatron_warm_start(cfg: RunConfig, run_dir: Path, items: list) -> Path:
     """Fine-tune `cfg.model.path` on `items` ((prompt, answer) pairs or conversations) for
     `model.warm_start_steps` steps on a policy group of the policy's layout; export the result (see
     module docstring) and return its folder, or return the folder of an earlier run's export."""
+    from rlhf.driver.prepare import rollout_tool_schemas
     from rlhf.driver.warmstart import _encode_item
     from rlhf.workflow import role_group
     from workers.roles import PolicyWorker
@@ -51,7 +52,14 @@ def megatron_warm_start(cfg: RunConfig, run_dir: Path, items: list) -> Path:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(m.tokenizer_path or m.path)
-    encoded = [_encode_item(tok, item) for item in items]
+    tools = rollout_tool_schemas(cfg)  # rendered into the prompts as the rollout renders them
+    encoded: dict[int, tuple[list[int], list[int]]] = {}  # items encoded when first drawn
+
+    def item(k: int) -> tuple[list[int], list[int]]:
+        if k not in encoded:
+            encoded[k] = _encode_item(tok, items[k], tools)
+        return encoded[k]
+
     steps = m.warm_start_steps
     optim = build(OptimSettings, cfg.policy.optim, lr=m.warm_start_lr, min_lr=m.warm_start_lr / 10,
                   warmup_steps=min(WARMUP_STEPS, steps - 1), lr_decay_style="linear", weight_decay=0.0,
@@ -62,7 +70,7 @@ def megatron_warm_start(cfg: RunConfig, run_dir: Path, items: list) -> Path:
     t0 = time.perf_counter()
     try:
         for step in range(1, steps + 1):
-            batch = lm_batch([encoded[rng.randrange(len(encoded))] for _ in range(m.warm_start_batch)],
+            batch = lm_batch([item(rng.randrange(len(items))) for _ in range(m.warm_start_batch)],
                              tok.pad_token_id)
             res = group.train_lm_step(batch)
             if step == 1 or step % 50 == 0 or step == steps:

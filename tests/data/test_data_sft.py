@@ -268,10 +268,11 @@ def test_tool_trace_mask_is_the_assistant_turns_and_matches_the_agent_loop(tmp_p
         item = ds[i]
         trained = item["labels"][item["loss_mask"] == 1].tolist()
         assert trained == enc(call) + [eot] + enc(answer) + [eot], tokenizer.decode(trained)
-        # the agent loop's token ids: the prompt, turn 1, the glue with the tool result, turn 2
+        # the agent loop's token ids: the prompt (with the record's tool schemas), turn 1, the glue with the
+        # tool result, turn 2
         msgs = record["messages"]
-        prompt = tokenizer.apply_chat_template(msgs[:1], tokenize=True, add_generation_prompt=True,
-                                               return_dict=True)["input_ids"]
+        prompt = tokenizer.apply_chat_template(msgs[:1], tools=record.get("tools"), tokenize=True,
+                                               add_generation_prompt=True, return_dict=True)["input_ids"]
         loop_ids = list(prompt) + enc(call) + _turn_ids(tokenizer, msgs[:2], msgs[2:3]) + enc(answer) + [eot]
         ids = [int(item["tokens"][0])] + item["labels"].tolist()
         assert ids[: len(loop_ids)] == loop_ids

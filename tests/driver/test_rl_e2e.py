@@ -102,15 +102,20 @@ def test_grpo_moe_example_two_steps(tmp_path):
         assert row["mismatch/routing_disagreement"] == 0.0 and row["mismatch/routing_disagreement_max"] == 0.0
         assert row["mismatch/routing_disagreement/layer0"] == 0.0 and "mismatch/routing_disagreement/layer1" in row
         assert 0 <= row["mismatch/logprob_abs_diff_max"] < 1e-3 and 0 <= row["mismatch/kl"] < 1e-5, row
+
+
 @pytest.mark.parametrize("preset", ["tiny-mistral", "tiny-deepseek-v3"])
 def test_grpo_per_family(tmp_path, preset):
     """The families beyond the default Qwen2 end to end: SFT warm start, rollouts, GRPO updates. The engine's
     log-probs equal the policy's recomputed ones at both steps (fp32): step 1 after the first (verified) sync,
-    step 2 after the sync of step 1's update."""
+    step 2 after the sync of step 1's update. The reward is the response's length, so the update is not zero
+    (the 5-step warm start answers nothing right)."""
     run = tmp_path / preset
+    (tmp_path / "length_reward.py").write_text("def length(prompt, response, ground_truth):\n"
+                                               "    return float(len(response))\n")
     r = rlhf("train", "configs/grpo_tiny.yaml", *FAST, f"model.preset={preset}", "trainer.total_steps=2",
              "trainer.val_every=0", "trainer.save_every=0", "algorithm.old_logprobs=recompute",
-             f"trainer.output_dir={run}")
+             "reward.fn=length_reward:length", "reward.num_workers=1", f"trainer.output_dir={run}", path=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     steps = [row for row in metrics(run) if row["step"] > 0]
     assert [row["step"] for row in steps] == [1, 2]

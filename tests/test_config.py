@@ -237,3 +237,12 @@ def test_agent_example_configs_load_and_fit_their_task(name, tiny_tokenizer):
         assert (cfg.data.task, cfg.reward.fn, r.tools) == ("code_functions", "rlhf.eval.code:unit_test_pass_rate", [])
         longest = max(len(tok(code_tasks.solution(t))["input_ids"]) + 1 for t in code_tasks.all_tasks())
         assert r.max_tokens >= longest, longest
+
+
+@pytest.mark.parametrize("override, words", [
+    ("algorithm.dpo.nll_coef=-0.5", "algorithm.dpo.nll_coef: expected a number >= 0"),
+    ("algorithm.dpo.beta=0", "algorithm.dpo.beta: expected a number > 0"),
+    ("algorithm.dpo.label_smoothing=0.5", "algorithm.dpo.label_smoothing: expected a probability in [0, 0.5)"),
+])
+def test_dpo_settings_checked(override, words):
+    assert err(["algorithm.name=dpo", "data.task=arithmetic", override]).startswith(words)

@@ -419,6 +419,8 @@ def _check_dpo(cfg: RunConfig) -> None:
     _require(0 <= o.label_smoothing < 0.5, "algorithm.dpo.label_smoothing",
              "a probability in [0, 0.5) (the chance a pair's label is flipped)", o.label_smoothing)
     _require(math.isfinite(o.simpo_gamma), "algorithm.dpo.simpo_gamma", "a finite number", o.simpo_gamma)
+    _require(math.isfinite(o.nll_coef) and o.nll_coef >= 0, "algorithm.dpo.nll_coef",
+             "a number >= 0 (the weight of the chosen answer's NLL)", o.nll_coef)
     if o.label_smoothing and o.loss == "ipo":
         raise ConfigError("algorithm.dpo.label_smoothing applies to the sigmoid and simpo losses, not ipo; "
                           "set it to 0")

@@ -164,3 +164,23 @@ def test_bradley_terry_equals_trl_reward_trainer() -> None:
         return losses.mean()
 
     _both(trl, ours, {"logps": scores})
+
+
+@pytest.mark.parametrize("loss", ["sigmoid", "ipo", "simpo"])
+def test_nll_term_adds_the_chosen_answers_mean_token_nll(loss: str) -> None:
+    """nll_coef > 0 (RPO) adds alpha x the chosen answer's mean token NLL to each pair's loss, and its
+    gradient -alpha / n_chosen on the chosen log-prob; the rejected answer's gradient is unchanged."""
+    inp = _inputs(5)
+    c, r = inp["logps"].chunk(2)
+    ref_c, ref_r = inp["ref"].chunk(2)
+    n_c, n_r = inp["mask"][:, 1:].sum(1).chunk(2)
+    grads = []
+    for alpha in (0.0, 0.7):
+        cc, rr = c.clone().requires_grad_(True), r.clone().requires_grad_(True)
+        losses, m = preference_loss(cc, rr, ref_c, ref_r, n_c, n_r, loss=loss, beta=0.3, nll_coef=alpha)
+        losses.sum().backward()
+        grads.append((losses.detach(), cc.grad, rr.grad))
+        assert torch.allclose(m["nll/chosen"], -c / n_c)
+    (l0, gc0, gr0), (l1, gc1, gr1) = grads
+    assert torch.allclose(l1 - l0, 0.7 * -c / n_c)
+    assert torch.allclose(gc1 - gc0, -0.7 / n_c.double()) and torch.equal(gr1, gr0)

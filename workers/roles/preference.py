@@ -117,7 +117,8 @@ class PreferenceMixin(PairLogpsMixin):
             n_c, n_r = lengths.chunk(2)
             ref_c, ref_r = mb.fields["ref_logps"].chunk(2) if "ref_logps" in mb.fields else (None, None)
             losses, metrics = preference_loss(c, r, ref_c, ref_r, n_c, n_r, loss=cfg.loss, beta=cfg.beta,
-                                              label_smoothing=cfg.label_smoothing, simpo_gamma=cfg.simpo_gamma)
+                                              label_smoothing=cfg.label_smoothing, simpo_gamma=cfg.simpo_gamma,
+                                              nll_coef=cfg.nll_coef)
             n = n_pairs.to(losses.device)
             loss = losses.sum() / n
             acc.add_sum({"loss": loss.detach(), "pairs": float(losses.numel()), "greedy_accuracy": greedy.sum() / n,

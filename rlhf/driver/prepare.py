@@ -52,9 +52,12 @@ def _task_data(cfg: RunConfig, out: Path) -> None:
     if cfg.algorithm.name in PAIR_STAGES:
         from rlhf.data.arithmetic import write_preference_data
 
-        if not (data_dir / "dpo_val.jsonl").is_file():
-            write_preference_data(data_dir, seed=d.seed, val_size=d.val_size or 200)
-        d.train_file, d.val_file, d.val_size = str(data_dir / "dpo_train.jsonl"), str(data_dir / "dpo_val.jsonl"), 0
+        name = cfg.algorithm.name  # rm pairs: half with a random wrong sum (rlhf.data.arithmetic says why)
+        if not (data_dir / f"{name}_val.jsonl").is_file():
+            write_preference_data(data_dir, seed=d.seed, val_size=d.val_size or 200, name=name,
+                                  random_share=0.5 if name == "rm" else 0.0)
+        d.train_file, d.val_file = str(data_dir / f"{name}_train.jsonl"), str(data_dir / f"{name}_val.jsonl")
+        d.val_size = 0
     elif cfg.algorithm.name in ("grpo", "ppo"):
         d.train_file, d.val_file, d.val_size = str(data_dir / "rl_train.jsonl"), str(data_dir / "rl_val.jsonl"), 0
     elif cfg.algorithm.name == "sft":

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from examples.make_arithmetic_data import main as make_data
-from rlhf.data.arithmetic import split_pairs, write_arithmetic_data
+from rlhf.data.arithmetic import WRONG_OFFSETS, split_pairs, write_arithmetic_data, write_preference_data
 from rlhf.data.prompts import load_prompt_dataset
 from rlhf.data.sft import SFTDataset
 
@@ -38,3 +39,27 @@ def test_script(tmp_path, capsys):
     assert "rl_val: " in capsys.readouterr().out
     assert len((tmp_path / "d" / "rl_val.jsonl").read_text().splitlines()) == 100
     assert make_data(["--out", str(tmp_path / "e"), "--val-size", "10000"]) == 2
+
+
+def _pairs(path) -> list[tuple[int, int, int]]:
+    """(a + b, chosen, rejected) per line."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    sums = [sum(int(x) for x in r["messages"][0]["content"].removeprefix("What is ").removesuffix("?").split("+"))
+            for r in rows]
+    return [(s, int(r["chosen"]), int(r["rejected"])) for s, r in zip(sums, rows, strict=True)]
+
+
+def test_preference_pairs_near_misses_for_dpo_half_random_for_the_reward_model(tmp_path):
+    dpo = write_preference_data(tmp_path, seed=0, val_size=200)
+    rm = write_preference_data(tmp_path, seed=0, val_size=200, name="rm", random_share=0.5)
+    assert set(dpo) == {"dpo_train", "dpo_val"} and set(rm) == {"rm_train", "rm_val"}
+    _, val = split_pairs(seed=0, val_size=200)
+    for paths in (dpo, rm):
+        rows = _pairs(paths["dpo_val" if "dpo_val" in paths else "rm_val"])
+        assert [s for s, _, _ in rows] == [a + b for a, b in val]  # the held-out split of the other files
+        assert all(c == s and r != s and 0 <= r <= 198 for s, c, r in rows)
+    assert all(r - s in WRONG_OFFSETS for s, _, r in _pairs(dpo["dpo_train"]))
+    far = [r - s not in WRONG_OFFSETS for s, _, r in _pairs(rm["rm_train"])]
+    assert 0.45 < sum(far) / len(far) < 0.55  # half random wrong sums (a random one is a near miss ~3% of the time)
+    wrong = [r for s, _, r in _pairs(rm["rm_train"]) if abs(r - s) > 10]
+    assert min(wrong) < 10 and max(wrong) > 188  # drawn from the whole range of sums

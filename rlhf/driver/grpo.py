@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from algorithms.mismatch import logprob_mismatch, routing_disagreement, routing_disagreement_metrics
+from rlhf.config import RunConfig
 from rlhf.driver.advantages import add_advantages
 from rlhf.driver.context import StepContext, rollout_metrics
 from rlhf.workflow import Roles, loss_config
@@ -42,9 +45,27 @@ def generate_and_score(roles: Roles, ctx: StepContext) -> Batch:
             extra = roles.reward(extra)
         extra["group_id"] = [g + 10**6 * (ctx.resample_round()) for g in extra["group_id"]]
         kept = Batch.concat([kept, informative_groups(extra)])
+    kept = whole_groups_dividing(kept.index(slice(0, wanted)), train_divisor(cfg))
     ctx.metrics["dynamic_sampling/kept_fraction"] = len(kept) / wanted
-    # Train on whole groups only, at most the configured batch size; fall back to the full batch if none survive.
-    return kept.index(slice(0, wanted)) if len(kept) else batch
+    # Train on whole groups only, at most the configured batch size; fall back to the full batch if none fit.
+    return kept if len(kept) else batch
+
+
+def train_divisor(cfg: RunConfig) -> int:
+    """What a training batch's size must divide by: algorithm.mini_batches x the DP size of every trained
+    role (their least common multiple), as the mini-batch split requires (`workers.dispatch`)."""
+    dps = [cfg.policy.parallel.dp] + ([cfg.critic.parallel.dp] if cfg.critic.enabled else [])
+    return max(1, cfg.algorithm.mini_batches) * math.lcm(*dps)
+
+
+def whole_groups_dividing(batch: Batch, divisor: int) -> Batch:
+    """The longest prefix of `batch` made of whole groups (rows of one `group_id` are contiguous) whose
+    size divides by `divisor`; empty if none does. Dynamic sampling keeps a varying number of groups, and a
+    batch that does not split into mini-batches x DP would fail in the train step."""
+    gid = list(batch["group_id"]) if len(batch) else []
+    ends = [i + 1 for i in range(len(gid)) if i + 1 == len(gid) or gid[i + 1] != gid[i]]
+    size = next((e for e in reversed(ends) if e % divisor == 0), 0)
+    return batch.index(slice(0, size))
 
 
 def add_logprobs(roles: Roles, batch: Batch, ctx: StepContext) -> Batch:

@@ -63,3 +63,18 @@ def test_preference_pairs_near_misses_for_dpo_half_random_for_the_reward_model(t
     assert 0.45 < sum(far) / len(far) < 0.55  # half random wrong sums (a random one is a near miss ~3% of the time)
     wrong = [r for s, _, r in _pairs(rm["rm_train"]) if abs(r - s) > 10]
     assert min(wrong) < 10 and max(wrong) > 188  # drawn from the whole range of sums
+
+
+def test_pair_stages_on_the_task_train_on_their_own_pair_files(tmp_path):
+    from rlhf.config import load_config
+    from rlhf.driver.prepare import prepare_inputs
+
+    for algo in ("dpo", "rm"):
+        cfg = load_config(None, [f"algorithm.name={algo}", "model.preset=tiny-qwen2", "model.warm_start_steps=0",
+                                 "data.task=arithmetic", f"trainer.output_dir={tmp_path / algo}"])
+        prepare_inputs(cfg)
+        assert cfg.data.train_file == str(tmp_path / algo / "data" / f"{algo}_train.jsonl")
+        assert cfg.data.val_file == str(tmp_path / algo / "data" / f"{algo}_val.jsonl") and cfg.data.val_size == 0
+    rm = _pairs(tmp_path / "rm" / "data" / "rm_train.jsonl")
+    assert sum(r - s not in WRONG_OFFSETS for s, _, r in rm) > len(rm) / 3  # the reward model's mix
+    assert all(r - s in WRONG_OFFSETS for s, _, r in _pairs(tmp_path / "dpo" / "data" / "dpo_train.jsonl"))

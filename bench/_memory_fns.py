@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 
-def saved_activation_bytes(model_dir: str, dtype: str, seq: int, mbs: int) -> dict:
-    """Build the engine's model, run one forward with labels (megatron's cross entropy) and count the bytes
-    autograd saves for backward (unique storages that are not parameters), then the backward."""
+def saved_activation_bytes(model_dir: str, dtype: str, seq: int, mbs: int, recompute: str = "none",
+                           sequence_parallel: bool = False) -> dict:
+    """Build the engine's model (with these memory levers), run one forward with labels (megatron's cross
+    entropy) and count the bytes autograd saves for backward on this rank (unique storages that are not
+    parameters; what a recomputed block saves is its checkpoint's inputs), then the backward."""
     import torch
 
     from workers.megatron.engine import MegatronEngine
     from workers.megatron.masks import causal_mask
 
-    eng = MegatronEngine(model_dir, dtype=dtype, trainable=True, load_weights=False, optim={"lr": 1e-3})
+    eng = MegatronEngine(model_dir, dtype=dtype, trainable=True, load_weights=False, optim={"lr": 1e-3},
+                         recompute=recompute, sequence_parallel=sequence_parallel)
     model = eng.module
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}

@@ -8,6 +8,9 @@ softmax output), no dropout and the model's dtype: once with the fused-kernel te
 GPUs, once with the unfused CPU path's terms (torch RMSNorm keeps two fp32 copies of its input, a 16-bit
 model's softmax runs in fp32 and keeps that output too, SwiGLU keeps SiLU's output).
 
+Then the memory levers (`recompute`, `sequence_parallel`): the same measurement in fp32 per rank, at TP1 with
+recompute none / selective / full and at TP2 without and with sequence parallelism, against the estimate.
+
 Then the trainer's memory with and without LoRA (issue 21) on the ~100M preset (`--lora-preset base-qwen2`, fp32,
 Adam, one step, each in a fresh process): parameters, trainable parameters, gradient buffer and optimizer state
 (Adam's two moments; fp32 needs no master copy) as the engine holds them, and the process's peak RSS.
@@ -36,6 +39,7 @@ def main() -> None:
     ap.add_argument("--lora-preset", default="base-qwen2", help="the model of the with / without LoRA rows")
     ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--skip-activations", action="store_true", help="only the LoRA rows")
+    ap.add_argument("--skip-lora", action="store_true", help="no LoRA rows")
     args = ap.parse_args()
 
     from rlhf.tiny_models import create_tiny_model
@@ -44,7 +48,9 @@ def main() -> None:
     print(machine_line())
     if not args.skip_activations:
         activations(args)
-    lora_rows(args, create_tiny_model, run_distributed)
+        lever_rows(args)
+    if not args.skip_lora:
+        lora_rows(args, create_tiny_model, run_distributed)
 
 
 def lora_rows(args: argparse.Namespace, create_tiny_model, run_distributed) -> None:
@@ -95,6 +101,35 @@ def activations(args: argparse.Namespace) -> None:
                 rows))
     for r in rows:
         print(ratio_line(f"activation_estimate_vs_measured_{r[0]}", float(r[5])))
+
+
+def lever_rows(args: argparse.Namespace) -> None:
+    """Saved activations per rank with each memory lever (fp32, CPU-path terms) against the plan's estimate."""
+    from rlhf.plan.layout import Layout
+    from rlhf.plan.memory import ActOptions, stage_activation_bytes
+    from rlhf.plan.model import load_model
+    from workers.megatron.launch import run_distributed
+
+    out = Path("runs/bench/memory") / args.preset  # created by activations()
+    m = load_model(args.preset)
+    opts = ActOptions(elem=4, flash_attention=False, norm_bytes=8, fused_swiglu=False)
+    measured: dict[str, float] = {}
+    rows = []
+    for name, tp, recompute, sp in (("none", 1, "none", False), ("selective", 1, "selective", False),
+                                    ("full", 1, "full", False), ("tp2", 2, "none", False),
+                                    ("tp2 + sequence parallel", 2, "none", True)):
+        ranks = run_distributed(saved_activation_bytes, tp, args=(str(out), "float32", args.seq, args.mbs,
+                                                                  recompute, sp))
+        got = max(r["saved_bytes"] for r in ranks)
+        est = stage_activation_bytes(m, Layout(tp=tp, mbs=args.mbs, recompute=recompute, sp=sp), args.seq, 1, 0,
+                                     opts)
+        measured[name] = got
+        rows.append([name, f"{got / 2**20:.1f}", f"{est / 2**20:.1f}", f"{est / got:.3f}"])
+    print(f"{args.preset}, fp32, seq {args.seq}, micro-batch {args.mbs}: saved activations of the fullest rank")
+    print(table(["levers", "measured MiB", "CPU-path estimate MiB", "ratio"], rows))
+    print(ratio_line("activation_selective_recompute_vs_none", measured["selective"] / measured["none"]))
+    print(ratio_line("activation_full_recompute_vs_none", measured["full"] / measured["none"]))
+    print(ratio_line("activation_sequence_parallel_vs_tp2", measured["tp2 + sequence parallel"] / measured["tp2"]))
 
 
 if __name__ == "__main__":

@@ -67,6 +67,9 @@ def test_wrong_type():
         ("reward.fallback_score=nan", ["reward.fallback_score", "finite"]),
         ("trainer.stop_grace_s=0", ["trainer.stop_grace_s", "> 0"]),
         ("policy.optim.max_consecutive_nonfinite=0", ["policy.optim.max_consecutive_nonfinite", ">= 1"]),
+        ("policy.recompute=partial", ["policy.recompute", "none, selective, full"]),
+        ("policy.recompute_num_layers=0", ["policy.recompute_num_layers", ">= 1"]),
+        ("reference.sequence_parallel=true", ["reference.sequence_parallel=true", "reference.parallel.tp > 1 (tp=1)"]),
     ],
 )
 def test_out_of_range(override, words):

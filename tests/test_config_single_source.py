@@ -39,7 +39,7 @@ WORKER_CONFIGS: dict[type, tuple[type, set[str]]] = {
     SyncOptions: (RolloutConfig, set()),
     AgentOptions: (RolloutConfig, set()),
     RoleOptions: (RoleConfig, set()),
-    MegatronOptions: (RoleConfig, {"ep", "recompute", "load_weights", "pack_sequences"}),  # ep: parallel.ep
+    MegatronOptions: (RoleConfig, {"ep", "load_weights", "pack_sequences"}),  # ep: parallel.ep
     SyncConfig: (RolloutConfig, {"direct_load", "colocated", "timeout_s", "verify_tolerance_16bit",
                                  "verify_num_seqs", "verify_seq_len"}),
 }

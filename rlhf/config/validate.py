@@ -28,6 +28,7 @@ from rlhf.errors import ConfigError
 from rlhf.model_config import read_config_json
 from workers.dtypes import DTYPE_NAMES
 from workers.megatron.deepseek_config import latent_size_error
+from workers.megatron.memory_levers import RECOMPUTE
 from workers.rollout.config import EngineOptions
 from workers.rollout.sampling import SamplingConfig
 
@@ -104,6 +105,12 @@ def _check_role(name: str, role: RoleConfig, shape: ModelShape | None) -> None:
         _require(getattr(par, k) >= 1, f"{name}.parallel.{k}", "an integer >= 1", getattr(par, k))
     _require(role.micro_batch_size >= 1, f"{name}.micro_batch_size", "an integer >= 1", role.micro_batch_size)
     _choice(role.dtype, f"{name}.dtype", DTYPE_NAMES)
+    _choice(role.recompute, f"{name}.recompute", RECOMPUTE)
+    _require(role.recompute_num_layers >= 1, f"{name}.recompute_num_layers", "an integer >= 1",
+             role.recompute_num_layers)
+    if role.sequence_parallel and par.tp == 1:
+        raise ConfigError(f"{name}.sequence_parallel=true needs {name}.parallel.tp > 1 (tp=1): sequence "
+                          "parallelism splits the activations over the tensor-parallel ranks")
     o = role.optim
     _require(o.lr >= 0, f"{name}.optim.lr", "a learning rate >= 0", o.lr)
     _require(0 <= o.min_lr <= max(o.lr, 0), f"{name}.optim.min_lr", f"a value in [0, lr={o.lr}]", o.min_lr)

@@ -26,8 +26,12 @@ def overlay_dict(plan: Plan, req: Request) -> dict:
         if role in TRAINED + FROZEN:
             parallel = {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp} | ({"ep": lay.ep} if lay.ep > 1 else {})
             section: dict = {"parallel": parallel, "micro_batch_size": lay.mbs, "dtype": dtype}
+            if lay.sp:
+                section["sequence_parallel"] = True
             if role in TRAINED:
                 section["optim"] = {"use_distributed_optimizer": lay.dp > 1}
+                if lay.recompute != "none":  # a frozen role runs no backward: nothing to recompute
+                    section["recompute"] = lay.recompute
             out[role] = section
         elif role == "rollout":
             out["rollout"] = {"tp": lay.tp}

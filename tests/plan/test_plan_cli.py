@@ -78,3 +78,23 @@ def test_expert_parallel_layouts_are_expressible_and_reach_the_overlay(tmp_path)
     assert par["ep"] == ep_plan.layout.ep and par["dp"] % par["ep"] == 0, par
     cfg = load_config("configs/grpo_tiny.yaml", [], validate=False, overlays=[out])
     assert cfg.policy.parallel.ep == par["ep"]
+
+
+def test_recompute_and_sequence_parallel_reach_the_overlay(tmp_path):
+    """A layout with sequence parallelism and activation recompute needs no missing lever; its overlay sets
+    the trained role's `recompute` and every Megatron role's `sequence_parallel`, which the schema reads."""
+    from rlhf.plan.hardware import GIB, get_gpu
+    from rlhf.plan.model import load_model
+    from rlhf.plan.overlay import write_overlay
+    from rlhf.plan.search import Planner, Request
+
+    req = Request(load_model("Llama-3-8B"), get_gpu("H100"), 1, 8, 80 * GIB, 4096, 64,
+                  roles=("policy", "reference"))
+    plans = Planner(req).plan()
+    plan = next(p for p in plans if p.layout.sp and p.layout.recompute != "none" and p.runnable_today)
+    out = write_overlay(tmp_path / "levers.yaml", plan, req)
+    overlay = yaml.safe_load(out.read_text())
+    assert overlay["policy"]["recompute"] == plan.layout.recompute and "recompute" not in overlay["reference"]
+    cfg = load_config("configs/grpo_tiny.yaml", [], validate=False, overlays=[out])
+    assert cfg.policy.sequence_parallel and cfg.reference.sequence_parallel
+    assert cfg.policy.recompute == plan.layout.recompute

@@ -43,6 +43,7 @@ from workers.megatron.ep_align import Aligned, align_micros, round_columns
 from workers.megatron.hf_weights import HFTensorSource
 from workers.megatron.lora_config import LoRAConfig
 from workers.megatron.masks import follow_mask
+from workers.megatron.memory_levers import lever_overrides
 from workers.megatron.micro_batch import Micro
 from workers.megatron.moe_config import MoEConfig
 from workers.megatron.optim_config import OptimSettings
@@ -62,7 +63,9 @@ class MegatronEngine:
         trainable: bool = True,
         optim: OptimSettings | dict[str, Any] | None = None,
         load_weights: bool = True,
-        recompute: bool = False,
+        recompute: str = "none",
+        recompute_num_layers: int = 1,
+        sequence_parallel: bool = False,
         moe: MoEConfig | dict[str, Any] | None = None,
         lora: LoRAConfig | dict[str, Any] | None = None,
     ) -> None:
@@ -79,15 +82,13 @@ class MegatronEngine:
         self.value_head = value_head
         self.trainable = trainable
         self.device = torch.device("cpu") if cuda_absent() else torch.device("cuda", torch.cuda.current_device())
-        overrides: dict[str, Any] = {}
-        if recompute:
-            overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        self.tp = ps.get_tensor_model_parallel_world_size()
+        overrides = lever_overrides(recompute, recompute_num_layers, sequence_parallel, self.tp)
         pp = ps.get_pipeline_model_parallel_world_size()
         if pp > 1:
             # micro-batches may differ in size and length (the MoE-only dispatcher check needs alltoall)
             overrides.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
         self.moe = build(MoEConfig, moe) if family_of(self.hf_config).moe else None
-        self.tp = ps.get_tensor_model_parallel_world_size()
         if self.moe is not None:
             overrides.update(self.moe.transformer_overrides(pp))
             if self.tp > 1:  # megatron trains MoE layers at TP > 1 only with sequence parallelism
@@ -111,8 +112,8 @@ class MegatronEngine:
         if self.moe is not None:
             from workers.megatron import routing_replay
 
-            if recompute and pp > 1 and self.moe.routing_replay:
-                raise ValueError("routing replay with activation recompute and pipeline parallelism: the "
+            if recompute == "full" and pp > 1 and self.moe.routing_replay:
+                raise ValueError("routing replay with full activation recompute and pipeline parallelism: the "
                                  "1F1B schedule recomputes a micro-batch after later ones were set; use one")
             self.routing = routing_replay.install(model, self.config, self.device)
         self.recorded_routes: list[torch.Tensor] = []
@@ -159,7 +160,8 @@ class MegatronEngine:
         if self.moe is not None:
             _mark_expert_params(self.module)
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=o.use_distributed_optimizer
+            grad_reduce_in_fp32=True, overlap_grad_reduce=o.overlap_grad_reduce,
+            use_distributed_optimizer=o.use_distributed_optimizer,
         )
         ddp = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=self.module)
         self.chunks = [ddp]

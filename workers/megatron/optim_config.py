@@ -18,6 +18,9 @@ class OptimConfig:
     warmup_steps: int = 0
     lr_decay_style: str = "constant"  # constant | cosine | linear
     use_distributed_optimizer: bool = False
+    # the data-parallel gradient reduce runs bucket by bucket during the last micro-batch's backward instead
+    # of after it (exact: the same sums); a time lever at dp > 1
+    overlap_grad_reduce: bool = False
     max_consecutive_nonfinite: int = 3  # stop after this many skipped (NaN/Inf) steps in a row
 
 

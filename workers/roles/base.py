@@ -19,6 +19,7 @@ from workers.dispatch import ONE_TO_ALL, register
 from workers.group.worker import Worker
 from workers.megatron.cpu_compat import cpu_device_mode
 from workers.megatron.engine import MegatronEngine
+from workers.megatron.memory_levers import describe
 from workers.roles.options import MegatronOptions
 
 
@@ -71,7 +72,9 @@ class MegatronWorker(Worker):
         self.offload_between_calls = bool(o.offload)
         self.engine = MegatronEngine(o.model_path, dtype=o.dtype, value_head=self.value_head, trainable=self.trainable,
                                      optim=o.optim, moe=o.moe, lora=o.lora, load_weights=o.load_weights,
-                                     recompute=o.recompute)
+                                     recompute=o.recompute, recompute_num_layers=o.recompute_num_layers,
+                                     sequence_parallel=o.sequence_parallel)
+        self._log(describe(self.engine.config, self.trainable and self.engine.optim.overlap_grad_reduce))
         pack = o.pack_sequences
         if pack is None:
             pack = "prefix" if self.engine.supports_explicit_positions else True

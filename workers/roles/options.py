@@ -22,6 +22,12 @@ class RoleOptions:
     micro_batch_size: int = 8
     dtype: str = "float32"  # float32 | bfloat16
     offload: bool = False  # GPU only: keep parameters on CPU between uses
+    # memory levers, each exact (workers/megatron/memory_levers.py): activation recompute none | selective
+    # (core attention) | full (every layer keeps its input only; recomputed recompute_num_layers at a time),
+    # and sequence parallelism of the norms' and dropouts' activations over the TP ranks (tp > 1)
+    recompute: str = "none"
+    recompute_num_layers: int = 1
+    sequence_parallel: bool = False
 
 
 @dataclass
@@ -36,6 +42,5 @@ class MegatronOptions(RoleOptions):
     model_path: str = ""  # the HF folder the role loads
     optim: OptimSettings | dict[str, Any] | None = None
     ep: int = 1  # expert-parallel size (MoE models)
-    recompute: bool = False
     load_weights: bool = True
     pack_sequences: bool | str | None = None

@@ -1,0 +1,48 @@
+"""Memory levers a role sets (`recompute`, `recompute_num_layers`, `sequence_parallel`) as the megatron-core
+`TransformerConfig` fields that turn them on. Each is exact: the same loss and update as without it.
+
+- recompute "selective": the core attention (scores, softmax, dropout) is recomputed in backward instead of
+  kept, which drops the s^2 attention terms (Korthikanti et al. 2022, section 5).
+- recompute "full": every layer keeps only its input; the layers are recomputed in chunks of
+  `recompute_num_layers` (method uniform).
+- sequence_parallel (TP > 1): the norms' and dropouts' activations are split over the TP ranks along the
+  sequence instead of replicated (ibid., section 4)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def lever_overrides(recompute: str, recompute_num_layers: int, sequence_parallel: bool, tp: int) -> dict[str, Any]:
+    """The TransformerConfig fields for these levers at tensor-parallel size `tp`."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r}: expected one of {', '.join(RECOMPUTE)}")
+    if sequence_parallel and tp == 1:
+        raise ValueError("sequence_parallel needs tensor parallelism (tp > 1); tp=1 has no sequence to split")
+    out: dict[str, Any] = {}
+    if recompute == "selective":
+        out.update(recompute_granularity="selective", recompute_modules=["core_attn"])
+    elif recompute == "full":
+        if recompute_num_layers < 1:
+            raise ValueError(f"recompute_num_layers={recompute_num_layers}: expected an integer >= 1")
+        out.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=recompute_num_layers)
+    if sequence_parallel:
+        out.update(sequence_parallel=True)
+    return out
+
+
+def describe(config: Any, overlap_grad_reduce: bool = False) -> str:
+    """One line of what is on, read back from the built model's config (forced levers included), and whether
+    the trained model's gradient reduce overlaps its backward."""
+    parts = []
+    if config.recompute_granularity == "selective":
+        parts.append(f"selective recompute ({', '.join(config.recompute_modules or [])})")
+    elif config.recompute_granularity == "full":
+        parts.append(f"full recompute ({config.recompute_method}, {config.recompute_num_layers} layer(s) a chunk)")
+    if config.sequence_parallel:
+        parts.append(f"sequence parallel over tp={config.tensor_model_parallel_size}")
+    if overlap_grad_reduce:
+        parts.append("gradient reduce overlapped with backward")
+    return "memory levers: " + (", ".join(parts) if parts else "none")

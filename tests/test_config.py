@@ -70,6 +70,9 @@ def test_wrong_type():
         ("policy.recompute=partial", ["policy.recompute", "none, selective, full"]),
         ("policy.recompute_num_layers=0", ["policy.recompute_num_layers", ">= 1"]),
         ("reference.sequence_parallel=true", ["reference.sequence_parallel=true", "reference.parallel.tp > 1 (tp=1)"]),
+        ("policy.optim.overlap_param_gather=true", ["policy.optim.overlap_param_gather=true",
+                                                    "policy.optim.use_distributed_optimizer=true"]),
+        ("policy.optim.cpu_offload_fraction=1.5", ["policy.optim.cpu_offload_fraction", "(0, 1]"]),
     ],
 )
 def test_out_of_range(override, words):
@@ -249,3 +252,9 @@ def test_agent_example_configs_load_and_fit_their_task(name, tiny_tokenizer):
 ])
 def test_dpo_settings_checked(override, words):
     assert err(["algorithm.name=dpo", "data.task=arithmetic", override]).startswith(words)
+
+
+def test_optimizer_cpu_offload_is_refused_without_cuda():
+    msg = err(["policy.optim.cpu_offload=true", "policy.optim.use_distributed_optimizer=true"])
+    assert "policy.optim.cpu_offload" in msg and "false on a CPU run" in msg and "host memory already" in msg
+    assert "policy.optim.use_distributed_optimizer=true" in err(["policy.optim.cpu_offload=true"])

@@ -120,6 +120,17 @@ def _check_role(name: str, role: RoleConfig, shape: ModelShape | None) -> None:
     _choice(o.lr_decay_style, f"{name}.optim.lr_decay_style", ("constant", "cosine", "linear"))
     _require(o.max_consecutive_nonfinite >= 1, f"{name}.optim.max_consecutive_nonfinite", "an integer >= 1",
              o.max_consecutive_nonfinite)
+    for lever in ("overlap_param_gather", "cpu_offload"):
+        if getattr(o, lever) and not o.use_distributed_optimizer:
+            raise ConfigError(f"{name}.optim.{lever}=true needs {name}.optim.use_distributed_optimizer=true: it "
+                              "works on the optimizer's shards of the parameters")
+    _require(0.0 < o.cpu_offload_fraction <= 1.0, f"{name}.optim.cpu_offload_fraction", "a fraction in (0, 1]",
+             o.cpu_offload_fraction)
+    if o.cpu_offload:
+        import torch
+
+        _require(torch.cuda.is_available(), f"{name}.optim.cpu_offload", "false on a CPU run: the optimizer state "
+                 "is in host memory already (megatron-core's HybridDeviceOptimizer copies over CUDA streams)", True)
     _require(role.resources.num_cpus_per_worker >= 0, f"{name}.resources.num_cpus_per_worker", "a value >= 0",
              role.resources.num_cpus_per_worker)
     threads = role.resources.num_threads

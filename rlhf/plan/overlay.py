@@ -29,7 +29,9 @@ def overlay_dict(plan: Plan, req: Request) -> dict:
             if lay.sp:
                 section["sequence_parallel"] = True
             if role in TRAINED:
-                section["optim"] = {"use_distributed_optimizer": lay.dp > 1}
+                section["optim"] = {"use_distributed_optimizer": lay.dp > 1 or lay.offload}
+                if lay.offload:
+                    section["optim"]["cpu_offload"] = True
                 if lay.recompute != "none":  # a frozen role runs no backward: nothing to recompute
                     section["recompute"] = lay.recompute
             out[role] = section

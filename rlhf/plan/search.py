@@ -70,7 +70,7 @@ class Plan:
 
 def missing_levers(m: ModelSpec, lay: Layout) -> list[str]:
     """What this layout needs that rlhf's config cannot express yet (policy.parallel has tp, pp, dp and ep,
-    experts keeping the dense TP; a role's recompute and sequence_parallel set the other two levers)."""
+    experts keeping the dense TP; a role's recompute, sequence_parallel and optim.cpu_offload set the others)."""
     out = []
     if lay.cp > 1:
         out.append(f"context parallel cp={lay.cp}")
@@ -78,8 +78,6 @@ def missing_levers(m: ModelSpec, lay: Layout) -> list[str]:
         out.append(f"virtual pipeline vpp={lay.vpp}")
     if m.moe and lay.etp != lay.tp:
         out.append(f"expert tensor parallel etp={lay.etp}")
-    if lay.offload:
-        out.append("optimizer CPU offload")
     if m.layers % (lay.pp * lay.vpp):
         out.append(f"uneven pipeline stages ({m.layers} layers over pp={lay.pp})")
     return out

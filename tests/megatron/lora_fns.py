@@ -115,3 +115,17 @@ def load_into(model_path: str, ckpt_dir: str, loras: list[dict[str, Any] | None]
         except ValueError as e:
             errors.append(str(e))
     return errors
+
+
+def train_full(model_path: str, optim: dict[str, Any], steps: int = 3) -> dict[str, Any]:
+    """Full fine-tuning for `steps` steps on the fixed batch with these optimizer settings; returns the losses
+    and the HF weights after them (gathered: every rank's)."""
+    from workers.megatron.engine import MegatronEngine
+    from workers.roles.lm import lm_micros
+
+    engine = MegatronEngine(model_path, optim={**OPTIM, **optim})
+    batch = lm_batch(engine.vocab_size)
+    micros = lm_micros(batch, 2, engine.device)
+    norm = float(batch["loss_mask"].sum())
+    losses = [_step(engine, micros, norm) for _ in range(steps)]
+    return {"losses": losses, "weights": {n: t.float().cpu().clone() for n, t in engine.iter_hf_weights()}}

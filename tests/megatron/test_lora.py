@@ -98,7 +98,12 @@ def test_merged_weights_and_peft_adapter_reproduce_the_unmerged_model(runs):
     with safe_open(str(out["tp2pp2"] / "hf" / "adapter" / "adapter_model.safetensors"), "pt") as f, \
             safe_open(str(adapter / "adapter_model.safetensors"), "pt") as g:
         assert sorted(f.keys()) == sorted(names)
-        assert max((f.get_tensor(n) - g.get_tensor(n)).abs().max().item() for n in names) < 1e-5
+        # Adam divides by sqrt(v) + eps: an element whose gradients are ~eps (a LoRA factor's first steps, while
+        # its partner is ~0) turns the layouts' float reduction order into ~1e-5 of its update. A wrong shard
+        # order or transpose differs by the values themselves (~0.1), so within 1e-3 of the scale is the test.
+        for n in names:
+            a, b = f.get_tensor(n), g.get_tensor(n)
+            assert (a - b).abs().max() <= 1e-3 * b.abs().max(), (n, (a - b).abs().max().item(), b.abs().max().item())
 
 
 def test_checkpoint_holds_adapters_and_resumes_exactly(runs, tmp_path):

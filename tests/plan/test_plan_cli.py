@@ -98,3 +98,22 @@ def test_recompute_and_sequence_parallel_reach_the_overlay(tmp_path):
     cfg = load_config("configs/grpo_tiny.yaml", [], validate=False, overlays=[out])
     assert cfg.policy.sequence_parallel and cfg.reference.sequence_parallel
     assert cfg.policy.recompute == plan.layout.recompute
+
+
+def test_optimizer_offload_reaches_the_overlay(tmp_path):
+    """A plan that offloads the optimizer is runnable as configured: its overlay turns on the trained roles'
+    `optim.cpu_offload` with the distributed optimizer it needs (the schema reads both; CUDA is checked at
+    validation, so this loads without it)."""
+    from rlhf.plan.hardware import GIB, get_gpu
+    from rlhf.plan.model import load_model
+    from rlhf.plan.overlay import write_overlay
+    from rlhf.plan.search import Planner, Request
+
+    req = Request(load_model("Llama-3-8B"), get_gpu("H100"), 1, 8, 80 * GIB, 4096, 64, roles=("policy",))
+    planner = Planner(req)
+    lay = next(p.layout for p in planner.plan() if p.runnable_today and p.layout.dp == 1).with_(offload=True)
+    plan = planner.evaluate(lay)
+    assert plan.missing == []
+    out = write_overlay(tmp_path / "offload.yaml", plan, req)
+    cfg = load_config("configs/grpo_tiny.yaml", [], validate=False, overlays=[out])
+    assert cfg.policy.optim.cpu_offload and cfg.policy.optim.use_distributed_optimizer

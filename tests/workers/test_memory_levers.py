@@ -1,6 +1,9 @@
 """The memory and overlap levers are exact: selective recompute with sequence parallelism at TP2, full
-recompute at TP1 and the overlapped gradient reduce at DP2 (distributed optimizer) give the plain TP1 group's
-log-probs, loss, gradient norm and update (real Ray, real megatron-core over gloo). Each rank logs what is on."""
+recompute at TP1 and the overlapped gradient reduce and parameter gather at DP2 (distributed optimizer) give
+the plain TP1 group's log-probs, loss, gradient norm and update (real Ray, real megatron-core over gloo). The
+deferred gather is finished before the weights are read: the second mini-batch's forward gathers the first
+update bucket by bucket, and the weights fetched after the last step hold every rank's shard. Each rank logs
+what is on."""
 
 from __future__ import annotations
 
@@ -17,11 +20,13 @@ LAYOUTS = {  # name: (tp, dp, the role's lever options)
     "plain": (1, 1, {}),
     "full": (1, 1, {"recompute": "full", "recompute_num_layers": 2}),
     "sp-selective": (2, 1, {"recompute": "selective", "sequence_parallel": True}),
-    "dp2-overlap": (1, 2, {"optim": {**OPTIM, "overlap_grad_reduce": True, "use_distributed_optimizer": True}}),
+    "dp2-overlap": (1, 2, {"optim": {**OPTIM, "overlap_grad_reduce": True, "overlap_param_gather": True,
+                                     "use_distributed_optimizer": True}}),
 }
 LOG_LINES = {"plain": "memory levers: none", "full": "full recompute (uniform, 2 layer(s) a chunk)",
              "sp-selective": "selective recompute (core_attn), sequence parallel over tp=2",
-             "dp2-overlap": "memory levers: gradient reduce overlapped with backward"}
+             "dp2-overlap": "memory levers: gradient reduce overlapped with backward, parameter gather overlapped "
+                            "with forward"}
 
 
 @pytest.fixture(scope="module")

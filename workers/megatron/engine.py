@@ -43,7 +43,7 @@ from workers.megatron.ep_align import Aligned, align_micros, round_columns
 from workers.megatron.hf_weights import HFTensorSource
 from workers.megatron.lora_config import LoRAConfig
 from workers.megatron.masks import follow_mask
-from workers.megatron.memory_levers import lever_overrides
+from workers.megatron.memory_levers import cpu_offload_fields, lever_overrides
 from workers.megatron.micro_batch import Micro
 from workers.megatron.moe_config import MoEConfig
 from workers.megatron.optim_config import OptimSettings
@@ -161,7 +161,7 @@ class MegatronEngine:
             _mark_expert_params(self.module)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=o.overlap_grad_reduce,
-            use_distributed_optimizer=o.use_distributed_optimizer,
+            overlap_param_gather=o.overlap_param_gather, use_distributed_optimizer=o.use_distributed_optimizer,
         )
         ddp = DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=self.module)
         self.chunks = [ddp]
@@ -169,7 +169,7 @@ class MegatronEngine:
             optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.betas[0],
             adam_beta2=o.betas[1], adam_eps=o.eps, clip_grad=o.clip_grad, bf16=self.dtype == torch.bfloat16,
             fp16=self.dtype == torch.float16, params_dtype=self.dtype,
-            use_distributed_optimizer=o.use_distributed_optimizer,
+            use_distributed_optimizer=o.use_distributed_optimizer, **cpu_offload_fields(o),
         )
         self.optimizer = get_megatron_optimizer(opt_config, self.chunks)
         decay_steps = max(1, o.total_steps - o.warmup_steps) if o.lr_decay_style != "constant" else max(1, o.total_steps)
@@ -381,6 +381,14 @@ class MegatronEngine:
         self.steps += 1
         return {"grad_norm": grad_norm, "lr": lr, "skipped": 0.0 if ok else 1.0}
 
+    def finish_param_gather(self) -> None:
+        """With `overlap_param_gather`, finish the all-gather of the updated shards now (a no-op otherwise):
+        the forwards gather their buckets as they need them, but a weight sync, an export or a checkpoint
+        reads every parameter directly."""
+        if self.trainable and self.optim.overlap_param_gather:
+            for chunk in self.chunks:
+                chunk.start_param_sync(force_sync=True)
+
     # ---- checkpoints --------------------------------------------------------------------------
     def _layout(self) -> dict[str, int]:
         from megatron.core import parallel_state as ps
@@ -420,6 +428,7 @@ class MegatronEngine:
         from megatron.core import dist_checkpointing
 
         path = Path(path)
+        self.finish_param_gather()
         if torch.distributed.get_rank() == 0:
             path.mkdir(parents=True, exist_ok=True)
         torch.distributed.barrier()
@@ -491,6 +500,7 @@ class MegatronEngine:
         """Collective over the whole world: full HF-named tensors (gathered over TP and PP)."""
         from workers.megatron.hf_weights import iter_hf_weights
 
+        self.finish_param_gather()
         yield from iter_hf_weights(self.module, self.hf_config)
 
     def offload(self) -> None:

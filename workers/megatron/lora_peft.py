@@ -76,6 +76,7 @@ def gather_peft_adapter(engine: Any) -> dict[str, Any] | None:
 
     if engine.lora is None:
         raise ValueError("the model has no LoRA adapters to export")
+    engine.finish_param_gather()
     local = {n: t.to("cpu", engine.dtype, copy=True) for n, t in iter_peft_tensors(engine.module, engine.hf_config)}
     parts: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(parts, local if is_hf_weight_source() else None)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from workers.megatron.optim_config import OptimConfig
+
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -33,9 +35,21 @@ def lever_overrides(recompute: str, recompute_num_layers: int, sequence_parallel
     return out
 
 
-def describe(config: Any, overlap_grad_reduce: bool = False) -> str:
-    """One line of what is on, read back from the built model's config (forced levers included), and whether
-    the trained model's gradient reduce overlaps its backward."""
+def cpu_offload_fields(optim: OptimConfig) -> dict[str, Any]:
+    """The OptimizerConfig fields of `optim.cpu_offload` (megatron-core's HybridDeviceOptimizer: Adam's state
+    and the fp32 master weights of `cpu_offload_fraction` of the parameters on the CPU, precision-aware, so
+    the distributed optimizer is required). GPU only: it runs its copies on CUDA streams."""
+    if not optim.cpu_offload:
+        return {}
+    if not optim.use_distributed_optimizer:
+        raise ValueError("optim.cpu_offload needs optim.use_distributed_optimizer=true")
+    return {"optimizer_cpu_offload": True, "optimizer_offload_fraction": float(optim.cpu_offload_fraction),
+            "use_precision_aware_optimizer": True, "decoupled_weight_decay": True}
+
+
+def describe(config: Any, optim: OptimConfig | None = None) -> str:
+    """One line of what is on, read back from the built model's config (forced levers included) and, for a
+    trained model, its optimizer settings (`OptimSettings`; None when frozen)."""
     parts = []
     if config.recompute_granularity == "selective":
         parts.append(f"selective recompute ({', '.join(config.recompute_modules or [])})")
@@ -43,6 +57,10 @@ def describe(config: Any, overlap_grad_reduce: bool = False) -> str:
         parts.append(f"full recompute ({config.recompute_method}, {config.recompute_num_layers} layer(s) a chunk)")
     if config.sequence_parallel:
         parts.append(f"sequence parallel over tp={config.tensor_model_parallel_size}")
-    if overlap_grad_reduce:
+    if optim is not None and optim.overlap_grad_reduce:
         parts.append("gradient reduce overlapped with backward")
+    if optim is not None and optim.overlap_param_gather:
+        parts.append("parameter gather overlapped with forward")
+    if optim is not None and optim.cpu_offload:
+        parts.append(f"optimizer CPU offload ({optim.cpu_offload_fraction:g} of the parameters)")
     return "memory levers: " + (", ".join(parts) if parts else "none")

@@ -21,6 +21,14 @@ class OptimConfig:
     # the data-parallel gradient reduce runs bucket by bucket during the last micro-batch's backward instead
     # of after it (exact: the same sums); a time lever at dp > 1
     overlap_grad_reduce: bool = False
+    # with the distributed optimizer: each updated shard's all-gather waits until the next forward needs its
+    # bucket instead of running after the step (exact; the engine finishes it before the weights are read)
+    overlap_param_gather: bool = False
+    # GPU only: Adam's state and fp32 master weights of this fraction of the parameters live and update on the
+    # CPU (megatron-core's HybridDeviceOptimizer; needs the distributed optimizer). On a CPU run they are in host
+    # memory already, so it is refused there.
+    cpu_offload: bool = False
+    cpu_offload_fraction: float = 1.0
     max_consecutive_nonfinite: int = 3  # stop after this many skipped (NaN/Inf) steps in a row
 
 

@@ -41,6 +41,7 @@ def _write_stage(engine: Any, out: Path) -> tuple[str, list[str]] | None:
     from workers.megatron.hf_weights import is_hf_weight_source, iter_hf_weights, yielded_hf_names
     from workers.megatron.safetensors_writer import StreamingSafetensorsWriter
 
+    engine.finish_param_gather()
     cfg, model = engine.hf_config, engine.module
     fname = stage_file_name(ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size())
     if not is_hf_weight_source():

@@ -101,6 +101,7 @@ class ShmTransport(Transport):
 
         rank, stage = worker.ctx.rank, worker.pp_rank
         t0 = time.perf_counter()
+        worker.engine.finish_param_gather()  # collective over DP when the gather is deferred; else a no-op
         if rank not in session.writer_ranks:
             return {"rank": rank, "source": False, "time_s": 0.0}
         try:

@@ -7,7 +7,8 @@ def saved_activation_bytes(model_dir: str, dtype: str, seq: int, mbs: int, recom
                            sequence_parallel: bool = False) -> dict:
     """Build the engine's model (with these memory levers), run one forward with labels (megatron's cross
     entropy) and count the bytes autograd saves for backward on this rank (unique storages that are not
-    parameters; what a recomputed block saves is its checkpoint's inputs), then the backward."""
+    parameters; what a recomputed block saves is its checkpoint's inputs), then the backward, counting what
+    the recomputed blocks save during it (0 without full recompute)."""
     import torch
 
     from workers.megatron.engine import MegatronEngine
@@ -31,8 +32,11 @@ def saved_activation_bytes(model_dir: str, dtype: str, seq: int, mbs: int, recom
     model.train()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = model(input_ids=ids[:, :-1], position_ids=pos, attention_mask=mask, labels=ids[:, 1:]).mean()
-    loss.backward()
-    return {"saved_bytes": sum(saved.values())}
+    forward = sum(saved.values())
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # what recompute saves again in backward
+        loss.backward()
+    return {"saved_bytes": forward, "recomputed_bytes": sum(saved.values())}
 
 
 def trainer_memory(model_dir: str, lora: dict | None, seq: int = 128, mbs: int = 2) -> dict:

@@ -10,6 +10,8 @@ model's softmax runs in fp32 and keeps that output too, SwiGLU keeps SiLU's outp
 
 Then the memory levers (`recompute`, `sequence_parallel`): the same measurement in fp32 per rank, at TP1 with
 recompute none / selective / full and at TP2 without and with sequence parallelism, against the estimate.
+With full recompute the peak comes in the backward: the kept layer inputs plus what one recomputed layer
+saves again (the backward's re-saved bytes over the layer count).
 
 Then the trainer's memory with and without LoRA (issue 21) on the ~100M preset (`--lora-preset base-qwen2`, fp32,
 Adam, one step, each in a fresh process): parameters, trainable parameters, gradient buffer and optimizer state
@@ -119,8 +121,10 @@ def lever_rows(args: argparse.Namespace) -> None:
                                     ("full", 1, "full", False), ("tp2", 2, "none", False),
                                     ("tp2 + sequence parallel", 2, "none", True)):
         ranks = run_distributed(saved_activation_bytes, tp, args=(str(out), "float32", args.seq, args.mbs,
-                                                                  recompute, sp))
-        got = max(r["saved_bytes"] for r in ranks)
+                                                                  recompute, sp), tp=tp)
+        # full recompute's peak: the kept inputs plus one recomputed chunk's activations during its backward
+        chunks = m.layers  # recompute_num_layers 1
+        got = max(r["saved_bytes"] + r["recomputed_bytes"] / chunks for r in ranks)
         est = stage_activation_bytes(m, Layout(tp=tp, mbs=args.mbs, recompute=recompute, sp=sp), args.seq, 1, 0,
                                      opts)
         measured[name] = got

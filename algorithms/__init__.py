@@ -29,6 +29,7 @@ from .kl import (
 from .losses import entropy_from_logits, lm_loss, logprobs_from_logits, policy_loss, value_loss
 from .masked import masked_mean, masked_sum, masked_var, masked_whiten
 from .mismatch import logprob_mismatch, routing_disagreement, routing_disagreement_metrics
+from .off_policy import IS_CORRECTIONS, rollout_correction
 from .preference import PREFERENCE_LOSSES, bradley_terry_loss, check_preference_loss, preference_loss
 from .rewards import (
     RewardFn,
@@ -54,6 +55,7 @@ __all__ = [
     "PREFERENCE_LOSSES",
     "AdaptiveKLController",
     "FixedKLController",
+    "IS_CORRECTIONS",
     "RewardFn",
     "RewardResult",
     "UnknownRewardError",
@@ -95,6 +97,7 @@ __all__ = [
     "reinforce_plus_plus",
     "reinforce_plus_plus_baseline",
     "rloo",
+    "rollout_correction",
     "score_with_reason",
     "value_loss",
 ]

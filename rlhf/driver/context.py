@@ -22,6 +22,9 @@ class StepContext:
     next_prompts: Callable[[], list[dict[str, Any]]]
     timer: PhaseTimer = field(default_factory=PhaseTimer)
     metrics: dict[str, float] = field(default_factory=dict)
+    # rollout.mode=one_step_off: the next step's prompts, drawn ahead so their generation can start during
+    # this step (None in sync mode and at the last step)
+    upcoming: list[dict[str, Any]] | None = None
     _rounds: int = 0
 
     def phase(self, name: str):
@@ -32,6 +35,10 @@ class StepContext:
         """A fresh, reproducible sampling seed for each generate call of each step."""
         self._rounds += 1
         return self.cfg.rollout.seed + 1_000_003 * self.step + 10_007 * self._rounds
+
+    def next_step_seed(self) -> int:
+        """The seed the next step's first generate call gets (`sample_seed` there), for a prefetch."""
+        return self.cfg.rollout.seed + 1_000_003 * (self.step + 1) + 10_007
 
     def resample_round(self) -> int:
         return self._rounds

@@ -13,6 +13,7 @@ from rlhf.driver.context import StepContext, rollout_metrics
 from rlhf.workflow import Roles, loss_config
 from workers.batch import Batch
 from workers.roles.routes import POLICY_ROUTES_KEY, ROUTES_KEY
+from workers.rollout.prompts import concat_rollouts
 
 
 def informative_groups(batch: Batch) -> Batch:
@@ -30,7 +31,12 @@ def generate_and_score(roles: Roles, ctx: StepContext) -> Batch:
     """Sample n responses per prompt and score them; with dynamic sampling, refill dropped groups."""
     cfg = ctx.cfg
     with ctx.phase("generate"):
-        batch = roles.rollout.generate(ctx.prompts, seed=ctx.sample_seed())
+        batch = roles.rollout.take(ctx.prompts, seed=ctx.sample_seed())
+        if ctx.upcoming is not None:  # one step off: the next step's samples, on the weights before this update
+            roles.rollout.prefetch(ctx.upcoming, seed=ctx.next_step_seed())
+    lag = [roles.rollout.version - v for v in batch["policy_version"]]
+    ctx.metrics["rollout/version_lag_mean"] = sum(lag) / max(len(lag), 1)
+    ctx.metrics["rollout/version_lag_max"] = float(max(lag, default=0))
     with ctx.phase("reward"):
         batch = roles.reward(batch)
     if not cfg.algorithm.dynamic_sampling:
@@ -44,7 +50,7 @@ def generate_and_score(roles: Roles, ctx: StepContext) -> Batch:
         with ctx.phase("reward"):
             extra = roles.reward(extra)
         extra["group_id"] = [g + 10**6 * (ctx.resample_round()) for g in extra["group_id"]]
-        kept = Batch.concat([kept, informative_groups(extra)])
+        kept = concat_rollouts([kept, informative_groups(extra)])
     kept = whole_groups_dividing(kept.index(slice(0, wanted)), train_divisor(cfg))
     ctx.metrics["dynamic_sampling/kept_fraction"] = len(kept) / wanted
     # Train on whole groups only, at most the configured batch size; fall back to the full batch if none fit.
@@ -103,6 +109,7 @@ def mismatch_metrics(batch: Batch) -> dict[str, float]:
 def grpo_step(roles: Roles, ctx: StepContext) -> dict[str, float]:
     cfg = ctx.cfg
     batch = generate_and_score(roles, ctx)
+    roles.rollout.sleep()  # colocated engines free their memory for the policy's turn; the sync wakes them
     batch = add_logprobs(roles, batch, ctx)
     with ctx.phase("advantages"):
         batch, adv_metrics = add_advantages(batch, cfg.algorithm, ctx.kl_ctrl.value)

@@ -11,6 +11,7 @@ from rlhf.workflow import Roles, loss_config, value_loss_config
 def ppo_step(roles: Roles, ctx: StepContext) -> dict[str, float]:
     cfg = ctx.cfg
     batch = generate_and_score(roles, ctx)
+    roles.rollout.sleep()  # colocated engines free their memory for the policy's turn; the sync wakes them
     batch = add_logprobs(roles, batch, ctx)
     with ctx.phase("critic"):
         batch = roles.critic.values(batch)

@@ -119,7 +119,8 @@ def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
         if megatron_warm_start_due(cfg, run.out):
             from rlhf.driver.warmstart_megatron import megatron_warm_start
 
-            cfg.model.path = str(megatron_warm_start(cfg, run.out, warm_start_items(cfg, run.out)))
+            cfg.model.path = str(megatron_warm_start(cfg, run.out, warm_start_items(cfg, run.out),
+                                                     [(p["prompt"] or p["messages"], p["ground_truth"]) for p in val]))
         roles = run.own(Roles.create(cfg, run.out))
         start = skipped_in_a_row = 0
         resume_from = run.resume_point()
@@ -145,15 +146,27 @@ def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
             if roles.critic is not None:
                 roles.critic.save(tmp / "critic")
 
+        # one_step_off draws the next step's prompts a step early; a checkpoint keeps the loader as it was
+        # before that draw, so a resumed run draws them again (their in-flight samples are not saved)
+        ahead = cfg.rollout.mode == "one_step_off"
+        prompts: list[dict[str, Any]] = loader.next_batch() if ahead and start < t.total_steps else []
+        upcoming: list[dict[str, Any]] | None = None
+        loader_state: dict[str, int] | None = None
+
         def save(step: int) -> None:
-            state = {"loader": loader.state_dict(), "kl_ctrl": kl_ctrl.state_dict(), "rng": rng_state(),
-                     "consecutive_nonfinite": nonfinite.count}
+            state = {"loader": loader_state or loader.state_dict(), "kl_ctrl": kl_ctrl.state_dict(),
+                     "rng": rng_state(), "consecutive_nonfinite": nonfinite.count}
             run.ckpt.save(step, state, write_roles)
 
         run.stop_point(start, None)  # a signal while the roles started: nothing new to save
         for step in range(start + 1, t.total_steps + 1):
             t0 = time.perf_counter()
-            ctx = StepContext(cfg, step, loader.next_batch(), kl_ctrl, loader.next_batch, PhaseTimer())
+            if ahead:
+                loader_state = loader.state_dict()
+                prompts, upcoming = upcoming or prompts, loader.next_batch() if step < t.total_steps else None
+            else:
+                prompts = loader.next_batch()
+            ctx = StepContext(cfg, step, prompts, kl_ctrl, loader.next_batch, PhaseTimer(), upcoming=upcoming)
             metrics = step_fn(roles, ctx)
             if cfg.rollout.verify_every_sync:
                 roles.rollout.sync_weights(roles.policy, verify=True)

@@ -21,10 +21,13 @@ from workers.config import build
 from workers.megatron.optim_config import OptimSettings
 
 WARMUP_STEPS = 20  # as the transformers loop's
+TARGET_EVERY = 10  # model.warm_start_target_accuracy: steps between accuracy checks
 
 
 def warm_start_dir(cfg: RunConfig, run_dir: Path) -> Path:
-    return run_dir / "model" / f"warm_start_{cfg.model.warm_start_steps}_megatron"
+    m = cfg.model
+    target = "" if m.warm_start_target_accuracy is None else f"_to{m.warm_start_target_accuracy:g}"
+    return run_dir / "model" / f"warm_start_{m.warm_start_steps}_megatron{target}"
 
 
 def lm_batch(items: list[tuple[list[int], list[int]]], pad_id: int) -> Batch:
@@ -36,12 +39,15 @@ def lm_batch(items: list[tuple[list[int], list[int]]], pad_id: int) -> Batch:
     return lm_batch_from_rl(Batch({"input_ids": ids, "attention_mask": attn, "loss_mask": target.float()}))
 
 
-def megatron_warm_start(cfg: RunConfig, run_dir: Path, items: list) -> Path:
+def megatron_warm_start(cfg: RunConfig, run_dir: Path, items: list, held_out: list | None = None) -> Path:
     """Fine-tune `cfg.model.path` on `items` ((prompt, answer) pairs or conversations) for
     `model.warm_start_steps` steps on a policy group of the policy's layout; export the result (see
-    module docstring) and return its folder, or return the folder of an earlier run's export."""
+    module docstring) and return its folder, or return the folder of an earlier run's export. With
+    `model.warm_start_target_accuracy`, every TARGET_EVERY steps from halfway through the weights are exported
+    and greedy-decoded on the `held_out` (prompt, answer) pairs; the first export at or above the target ends
+    the warm start."""
     from rlhf.driver.prepare import rollout_tool_schemas
-    from rlhf.driver.warmstart import _encode_item
+    from rlhf.driver.warmstart import _encode_item, greedy_accuracy
     from rlhf.workflow import role_group
     from workers.roles import PolicyWorker
 
@@ -67,6 +73,8 @@ def megatron_warm_start(cfg: RunConfig, run_dir: Path, items: list) -> Path:
     group = role_group("policy", cfg.policy, cfg, run_dir, PolicyWorker, optimizer_steps=steps,
                        optim=optim)
     rng = random.Random(cfg.trainer.seed)
+    target = m.warm_start_target_accuracy
+    tmp = out.with_name(out.name + ".tmp")
     t0 = time.perf_counter()
     try:
         for step in range(1, steps + 1):
@@ -76,11 +84,23 @@ def megatron_warm_start(cfg: RunConfig, run_dir: Path, items: list) -> Path:
             if step == 1 or step % 50 == 0 or step == steps:
                 print(f"warm start (megatron) step {step}/{steps}: loss {res['loss']:.4f} "
                       f"({time.perf_counter() - t0:.0f}s)", flush=True)
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        group.save_hf_weights(str(tmp), m.tokenizer_path or m.path)
+            if target is not None and held_out and step >= steps // 2 and step % TARGET_EVERY == 0 and step < steps:
+                export(group, tmp, m.tokenizer_path or m.path)
+                acc = greedy_accuracy(tmp, held_out, max_new_tokens=cfg.rollout.max_tokens)
+                print(f"warm start (megatron) step {step}/{steps}: held-out greedy accuracy {acc:.1%} "
+                      f"(target {target:.1%})", flush=True)
+                if acc >= target:
+                    break
+        else:
+            export(group, tmp, m.tokenizer_path or m.path)
         tmp.rename(out)
     finally:
         group.shutdown()
     torch.manual_seed(cfg.trainer.seed)
     return out
+
+
+def export(group, tmp: Path, tokenizer: str) -> None:
+    """The policy group's weights as an HF folder at `tmp` (replaced)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    group.save_hf_weights(str(tmp), tokenizer)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -88,13 +89,19 @@ def test_grpo_two_steps(tmp_path, zero_copy, old_logprobs, lora):
 def test_grpo_moe_example_two_steps(tmp_path):
     """configs/grpo_tiny_moe.yaml on tiny-qwen2-moe, fast: the Megatron warm start and GRPO at EP=2 with routing
     replay. Each step logs the router metrics and the mismatch: with the engine's experts replayed, no token's
-    routing differs (per layer) and the fp32 log-probs agree to rounding."""
+    routing differs (per layer) and the fp32 log-probs agree to rounding. The warm start has a target accuracy:
+    it is measured (greedy, on the held-out prompts) at step 10 of 20, and ends the warm start if reached."""
     run = tmp_path / "moe"
     r = rlhf("train", "configs/grpo_tiny_moe.yaml", *FAST, "model.preset=tiny-qwen2-moe", "model.warm_start_batch=16",
+             "model.warm_start_steps=20", "model.warm_start_target_accuracy=0.05",
              "trainer.total_steps=2", "trainer.save_every=0", f"trainer.output_dir={run}")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    assert "warm start (megatron) step 5/5" in r.stdout
-    assert (run / "model" / "warm_start_5_megatron" / "model.safetensors").is_file()
+    check = re.search(r"warm start \(megatron\) step 10/20: held-out greedy accuracy ([\d.]+)% \(target 5.0%\)",
+                      r.stdout)
+    assert check, r.stdout[-3000:]
+    reached = float(check.group(1)) >= 5.0
+    assert ("warm start (megatron) step 20/20" in r.stdout) != reached, r.stdout[-3000:]
+    assert (run / "model" / "warm_start_20_megatron_to0.05" / "model.safetensors").is_file()
     rows = [row for row in metrics(run) if row["step"] > 0]
     assert len(rows) == 2
     for row in rows:
@@ -127,12 +134,23 @@ def test_grpo_per_family(tmp_path, preset):
 
 
 def test_ppo_two_steps(tmp_path):
-    """PPO with a critic, and benchmark evaluation every step through the running engine."""
+    """PPO with a critic, and benchmark evaluation every step through the running engine. The engine is
+    colocated with the policy: one placement group for both, and the engine sleeps while the policy trains
+    (no-ops on CPU, but called in that order every step)."""
     run = tmp_path / "ppo"
     r = rlhf("train", "configs/ppo_tiny.yaml", *FAST, "critic.micro_batch_size=8", "reference.micro_batch_size=8",
              "trainer.total_steps=2", "trainer.save_every=2", f"trainer.output_dir={run}", "trainer.eval_every=1",
-             "trainer.eval_tasks=[rg:basic_arithmetic,humaneval]", "trainer.eval_limit=2", "trainer.eval_max_tokens=8")
+             "trainer.eval_tasks=[rg:basic_arithmetic,humaneval]", "trainer.eval_limit=2", "trainer.eval_max_tokens=8",
+             "rollout.colocate_with=policy")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    engine_log = (run / "logs" / "rollout" / "0.log").read_text()
+    policy_log = (run / "logs" / "policy" / "dp0-tp0-pp0.log").read_text()
+    critic_log = (run / "logs" / "critic" / "dp0-tp0-pp0.log").read_text()
+    pg = re.search(r"rollout/0 started: pid \d+ \(placement group (\w+)\)", engine_log)
+    assert pg and f"(placement group {pg.group(1)})" in policy_log, policy_log[:2000]
+    assert f"placement group {pg.group(1)}" not in critic_log  # the critic is placed apart
+    calls = re.findall(r"rollout rank 0: (sleep\(level=1\)|wake_up\(tags=None\)) \(no-op\)", engine_log)
+    assert calls == ["sleep(level=1)", "wake_up(tags=None)"] * 2, calls
     rows = [row for row in metrics(run) if row["step"] > 0]
     assert len(rows) == 2
     for key in ("reward_mean", "kl", "kl_coef", "critic/vf_loss", "time/critic", "time/reference"):
@@ -158,6 +176,36 @@ def test_ppo_two_steps(tmp_path):
     exported = load_file(Path(hf_folder(str(latest / "policy"), str(tmp_path / "view"))) / "model.safetensors")
     final = load_file(run / "hf" / "model.safetensors")
     assert sorted(exported) == sorted(final) and all(exported[k].equal(final[k]) for k in final)
+
+
+def test_grpo_one_step_off_on_two_engines_and_resume(tmp_path):
+    """rollout.mode=one_step_off on rollout.num_engines=2 with truncated importance sampling: from step 2 on
+    each batch was sampled by the weights before the previous update (version lag 1), so the engines'
+    log-probs are off the recomputed ones by far more than the rounding of an on-policy step, and the
+    correction logs its ratios. A resumed run draws the prompts of the step after the checkpoint again and
+    generates them on the restored weights (lag 0), then goes on one step off."""
+    run = tmp_path / "async"
+    # the response's length as the reward, so the groups' advantages are not all 0 and each update moves the policy
+    (tmp_path / "length_reward.py").write_text("def length(prompt, response, ground_truth):\n"
+                                               "    return float(len(response))\n")
+    args = ["configs/grpo_tiny.yaml", *FAST, "reward.fn=length_reward:length", "reward.num_workers=1", "rollout.temperature=0.7", "rollout.num_engines=2",
+            "rollout.num_cpus=0.5", "rollout.mode=one_step_off", "algorithm.old_logprobs=recompute",
+            "algorithm.off_policy_correction=tis", "policy.optim.lr=1e-3", "trainer.save_every=3",
+            f"trainer.output_dir={run}"]
+    r = rlhf("train", *args, "trainer.total_steps=3", path=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert (run / "logs" / "rollout" / "0.log").is_file() and (run / "logs" / "rollout" / "1.log").is_file()
+    rows = [row for row in metrics(run) if row["step"] > 0]
+    assert [row["rollout/version_lag_max"] for row in rows] == [0.0, 1.0, 1.0]
+    assert rows[0]["mismatch/logprob_abs_diff_max"] < 1e-3  # step 1: on-policy, the rounding only
+    for row in rows[1:]:
+        assert row["mismatch/logprob_abs_diff_max"] > 10 * rows[0]["mismatch/logprob_abs_diff_max"], row
+        assert row["off_policy/is_ratio_max"] > 1.0 and 0 <= row["off_policy/capped_fraction"] < 1, row
+    r = rlhf("train", *args, "trainer.total_steps=5", "trainer.resume=auto", path=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert "resumed from" in r.stdout
+    rows = [row for row in metrics(run) if row["step"] > 3]
+    assert [(row["step"], row["rollout/version_lag_max"]) for row in rows] == [(4, 0.0), (5, 1.0)]
 
 
 def cli(capsys, *args: str) -> tuple[int, str]:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from workers.batch import Batch
 from workers.config import build
 from workers.rollout.buckets import BucketPacker, group_key, unpack
 from workers.rollout.config import EngineConfig
@@ -309,3 +310,38 @@ def test_engines_share_the_model_info_cache_and_nothing_else(tmp_path, monkeypat
     os.environ["VLLM_CACHE_ROOT"] = str(tmp_path / "mine")  # the user's own choice is kept as it is
     rc.prepare_env(rc.EngineConfig(model_path="unused", work_dir=str(tmp_path / "c")))
     assert os.environ["VLLM_CACHE_ROOT"] == str(tmp_path / "mine") and not (tmp_path / "mine").exists()
+
+
+def rollout_part(prompts: list[list[int]], responses: list[list[int]]) -> Batch:
+    """A generate Batch laid out as the engine's: prompts left-padded, responses right-padded."""
+    p, r = max(map(len, prompts)), max(map(len, responses))
+    ids = torch.full((len(prompts), p + r), 9)
+    attn = torch.zeros_like(ids)
+    for i, (q, a) in enumerate(zip(prompts, responses)):
+        ids[i, p - len(q):p], ids[i, p:p + len(a)] = torch.tensor(q), torch.tensor(a)
+        attn[i, p - len(q):p + len(a)] = 1
+    routes = torch.where(attn.bool()[..., None, None], ids[..., None, None], -1).expand(-1, -1, 2, 1)
+    return Batch({"input_ids": ids, "attention_mask": attn, "responses": ids[:, p:].clone(),
+                  "response_mask": attn[:, p:].clone(), "rollout_logprobs": -attn[:, p:].float(),
+                  "routed_experts": routes.clone(), "scores": torch.ones(len(prompts))},
+                 meta={"group_id": list(range(len(prompts)))})
+
+
+def test_concat_rollouts_keeps_every_response_where_the_trainer_looks_for_it():
+    from workers.rollout.prompts import concat_rollouts
+
+    a = rollout_part([[1, 2], [3]], [[10, 11, 12], [13]])            # P = 2, R = 3
+    b = rollout_part([[4, 5, 6, 7]], [[20]])                         # P = 4, R = 1
+    out = concat_rollouts([a, b])
+    p = out["input_ids"].shape[1] - out["responses"].shape[1]
+    assert (p, out["responses"].shape[1]) == (4, 3)
+    for row, (prompt, response) in enumerate([([1, 2], [10, 11, 12]), ([3], [13]), ([4, 5, 6, 7], [20])]):
+        ids, attn = out["input_ids"][row], out["attention_mask"][row]
+        assert ids[attn.bool()].tolist() == prompt + response
+        assert ids[p - len(prompt):p].tolist() == prompt and ids[p:p + len(response)].tolist() == response
+        assert out["responses"][row, :len(response)].tolist() == response
+        assert int(out["response_mask"][row].sum()) == len(response)
+        assert out["routed_experts"][row, :, 0, 0].tolist() == torch.where(attn.bool(), ids, -1).tolist()
+    assert out["rollout_logprobs"][0].tolist() == [-1, -1, -1] and out["rollout_logprobs"][2].tolist() == [-1, 0, 0]
+    assert out["scores"].tolist() == [1, 1, 1] and out["group_id"] == [0, 1, 0]
+    assert concat_rollouts([a]) is a and len(concat_rollouts([a, b.index(slice(0, 0))])) == 2

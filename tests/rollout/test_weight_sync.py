@@ -29,6 +29,7 @@ from workers.rollout import (
     WeightSyncTimeout,
 )
 from workers.rollout.cpu.shm import ShmTransport
+from workers.rollout.group import RolloutDiedError
 from workers.rollout.syncer import compare_logprobs
 from workers.rollout.weight_sync import GlooTransport
 
@@ -60,7 +61,7 @@ def env(tmp_path_factory, tiny_model_factory):
                 )
             return groups[name]
 
-        yield {"rollout": rollout, "policy": policy}
+        yield {"rollout": rollout, "policy": policy, "path": path}
     finally:
         for g in groups.values():
             g.shutdown()
@@ -121,6 +122,38 @@ def test_sync_after_a_train_step_matches_the_policy(env, layout, transport):
     assert stats["sync/verify_max_abs_diff"] <= 1e-3
     if shared:  # the next layout's test starts from packed weights again
         rollout.sync_weights(policy, SyncConfig(sync_transport="shm", timeout_s=60), verify=True)
+
+
+def test_two_engines_are_each_synced_and_decode_as_one_engine(env, tmp_path):
+    """rollout.num_engines=2: every sync reaches (and is verified on) both engines, a split generate gives what
+    one engine gives, and a killed engine is named within 30 s."""
+    one, policy = env["rollout"], env["policy"]("tp1")
+    two = RolloutGroup(EngineConfig(model_path=env["path"], kv_cache_gb=0.05, max_num_seqs=32, num_cpus=0,
+                                    work_dir=str(tmp_path / "rollout")), num_engines=2, name="two-engines")
+    try:
+        for transport in ("gloo", "shm"):
+            cfg = SyncConfig(sync_transport=transport, timeout_s=60)
+            one.sync_weights(policy, SyncConfig(sync_transport=transport, timeout_s=60), verify=True)
+            assert two.sync_weights(policy, cfg)["sync/verify_max_abs_diff"] <= 1e-3
+            seqs = two._syncers[id(policy)].verification_sequences()
+            assert len(two.score_all(seqs)) == 2  # compare_logprobs (the verification) checks each engine
+            greedy = SamplingConfig(n=2, max_tokens=12, temperature=0.0, seed=0)
+            a, b = one.generate(PROMPTS, greedy), two.generate(PROMPTS, greedy)
+            assert b["group_id"] == [0, 0, 1, 1, 2, 2, 3, 3] and b["response_text"] == a["response_text"]
+            assert torch.equal(b["responses"], a["responses"]) and torch.equal(b["input_ids"], a["input_ids"])
+            torch.testing.assert_close(b["rollout_logprobs"], a["rollout_logprobs"], atol=1e-4, rtol=0)
+            # train: both engines are stale until the next sync, then both match again
+            policy.train_step(_train_batch(two.generate(PROMPTS, SAMPLING)))
+            stale = compare_logprobs(policy, two, seqs)
+            assert stale > 1e-2
+            assert two.sync_weights(policy, cfg, verify=True)["sync/verify_max_abs_diff"] <= 1e-3
+        ray.kill(two.engines[1], no_restart=True)
+        t0 = time.monotonic()
+        with pytest.raises(RolloutDiedError, match=r"role 'rollout' rank 1 .*the actor died"):
+            two.generate(PROMPTS, SAMPLING)
+        assert time.monotonic() - t0 < 30
+    finally:
+        two.shutdown()
 
 
 STALL_TIMEOUT_S = 2.0

@@ -62,6 +62,17 @@ def redirect_output(path: str | Path) -> Any:
     return file
 
 
+def placement() -> str:
+    """"placement group <id>" of this Ray actor (colocated roles share one), or "no placement group"."""
+    try:
+        import ray
+
+        pg = ray.get_runtime_context().get_placement_group_id() if ray.is_initialized() else None
+    except Exception:  # noqa: BLE001 - not in a Ray worker
+        pg = None
+    return f"placement group {pg}" if pg else "no placement group"
+
+
 class Worker:
     """Base actor. Subclasses override `init_distributed` (world set-up) and `setup` (build models)."""
 
@@ -76,7 +87,7 @@ class Worker:
             import torch
 
             torch.set_num_threads(ctx.num_threads)
-        log.info("%s started: pid %d on %s", ctx.name, os.getpid(), socket.gethostname())
+        log.info("%s started: pid %d on %s (%s)", ctx.name, os.getpid(), socket.gethostname(), placement())
 
     def __repr__(self) -> str:  # Ray prefixes this actor's log lines with it
         return self.ctx.name

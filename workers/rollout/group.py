@@ -9,7 +9,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from workers.agent.options import AgentOptions
 from workers.batch import Batch
@@ -24,9 +24,12 @@ from workers.group.errors import (
 from workers.group.wait import Failure, is_death, wait_all
 from workers.group.worker import tail_file
 from workers.rollout.config import EngineConfig
-from workers.rollout.prompts import as_batch
+from workers.rollout.prompts import as_batch, concat_rollouts
 from workers.rollout.sampling import SamplingConfig, as_sampling
 from workers.rollout.worker import RolloutWorker
+
+if TYPE_CHECKING:
+    from workers.group.pool import ResourcePool
 
 ROLE = "rollout"
 
@@ -56,7 +59,8 @@ class RolloutGroup:
 
     def __init__(self, config: EngineConfig | dict[str, Any], num_engines: int = 1, in_process: bool = False,
                  timeout_s: float = 600.0, actor_options: dict[str, Any] | None = None,
-                 name: str | None = None, log_dir: str | Path | None = None) -> None:
+                 name: str | None = None, log_dir: str | Path | None = None,
+                 resource_pool: ResourcePool | None = None) -> None:
         self.cfg = config if isinstance(config, EngineConfig) else EngineConfig(**config)
         if num_engines < 1 or (in_process and num_engines != 1):
             raise ValueError(f"num_engines={num_engines}: need >= 1 (exactly 1 in process)")
@@ -68,6 +72,7 @@ class RolloutGroup:
         self.log_paths: list[str | None] = [None] * num_engines
         self._endpoint: tuple[str, int] | None = None
         self._syncers: dict[int, Any] = {}
+        self.pool, self._reserved = resource_pool, 0
         try:
             if in_process:
                 self.engines = [RolloutWorker(self.cfg, 0, name=self.names[0])]
@@ -76,7 +81,7 @@ class RolloutGroup:
                 self.log_paths = [str(Path(log_dir) / self.name / f"{i}.log") if log_dir else None
                                   for i in range(num_engines)]
                 self.engines = [RolloutWorker.start(self.cfg, i, self.log_paths[i],
-                                                    **{**(actor_options or {}), "name": n})
+                                                    **{**(actor_options or {}), **self._placement(i), "name": n})
                                 for i, n in enumerate(self.names)]
             self.infos = self._all("info", timeout_s=max(timeout_s, 300.0))
         except BaseException:
@@ -84,6 +89,17 @@ class RolloutGroup:
             raise
         self.dtype: str = self.infos[0]["dtype"]
         self.vocab_size: int = int(self.infos[0]["vocab_size"])
+
+    def _placement(self, rank: int) -> dict[str, Any]:
+        """With a resource pool (colocation): engine `rank` in bundle `rank`, its CPUs / GPUs booked there."""
+        if self.pool is None:
+            return {}
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.pool.reserve(rank, self.cfg.num_cpus, self.cfg.num_gpus, who=f"{self.names[rank]}")
+        self._reserved += 1
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.pool.pg,
+                                                                        placement_group_bundle_index=rank)}
 
     @property
     def num_engines(self) -> int:
@@ -142,28 +158,28 @@ class RolloutGroup:
                  agent: AgentOptions | dict[str, Any] | None = None) -> Batch:
         """See `RolloutWorker.generate` (with `agent`, `RolloutWorker.generate_agent`: multi-turn tool use);
         prompts are split across engines, `group_id` stays global."""
+        return self.start_generate(prompts, sampling, agent).result()
+
+    def start_generate(self, prompts: Batch | Sequence[Any], sampling: SamplingConfig | dict | None = None,
+                       agent: AgentOptions | dict[str, Any] | None = None) -> PendingGenerate:
+        """`generate`, started: the engines work while the caller goes on; `.result()` waits (with the
+        group's timeout) and gives the Batch. Each engine runs its calls in order, so a later call on the
+        group (a weight sync) runs after this generation. In process, the generation runs here and now."""
         sp = as_sampling(sampling)
         batch = as_batch(prompts)
         method, extra = ("generate_agent", (agent,)) if agent else ("generate", ())
-        if self.num_engines == 1:
-            return self._wait([self._submit(0, method, batch, sp, *extra)], [0], method)[0]
         n = len(batch)
         bounds = [round(i * n / self.num_engines) for i in range(self.num_engines + 1)]
         calls, starts, ranks = [], [], []
         for i in range(self.num_engines):
             lo, hi = bounds[i], bounds[i + 1]
-            if hi > lo:
+            if hi > lo or (n == 0 and i == 0):
                 seed = None if sp.seed is None else sp.seed + lo * sp.n
-                calls.append(self._submit(i, method, batch.index(slice(lo, hi)), sp.with_(seed=seed), *extra))
+                part = batch if self.num_engines == 1 else batch.index(slice(lo, hi))
+                calls.append(self._submit(i, method, part, sp.with_(seed=seed) if lo else sp, *extra))
                 starts.append(lo)
                 ranks.append(i)
-        parts = self._wait(calls, ranks, method)
-        for lo, part in zip(starts, parts):
-            part.meta["group_id"] = [g + lo for g in part.meta["group_id"]]
-        info = _merge_info([p.info for p in parts], [len(p) for p in parts])
-        out = Batch.concat(parts)
-        out.info.update(info)
-        return out
+        return PendingGenerate(self, method, calls, starts, ranks)
 
     def score_all(self, sequences: list[list[int]]) -> list[list[list[float]]]:
         """Every engine's logprobs of `sequences` (tokens after the first)."""
@@ -234,7 +250,33 @@ class RolloutGroup:
                     ray.kill(e, no_restart=True)
                 except Exception:  # noqa: BLE001 - already gone
                     pass
+        for rank in range(self._reserved):
+            self.pool.release(rank, self.cfg.num_cpus, self.cfg.num_gpus)  # type: ignore[union-attr]
+        self._reserved = 0
         self.engines = []
+
+
+class PendingGenerate:
+    """A generate call in flight on the engines (`RolloutGroup.start_generate`)."""
+
+    def __init__(self, group: RolloutGroup, method: str, calls: list[Any], starts: list[int],
+                 ranks: list[int]) -> None:
+        self.group, self.method, self.calls, self.starts, self.ranks = group, method, calls, starts, ranks
+        self._out: Batch | None = None
+
+    def result(self) -> Batch:
+        """The samples, as one engine would give them (waits on first call; later calls return the same)."""
+        if self._out is None:
+            parts = self.group._wait(self.calls, self.ranks, self.method)
+            if len(parts) == 1:
+                self._out = parts[0]
+            else:
+                for lo, part in zip(self.starts, parts):
+                    part.meta["group_id"] = [g + lo for g in part.meta["group_id"]]
+                info = _merge_info([p.info for p in parts], [len(p) for p in parts])
+                self._out = concat_rollouts(parts)
+                self._out.info.update(info)
+        return self._out
 
 
 def _merge_info(infos: list[dict[str, Any]], rows: list[int]) -> dict[str, Any]:

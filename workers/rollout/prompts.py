@@ -178,3 +178,32 @@ def sampled_logprobs(logprobs: Any, toks: list[int]) -> list[float]:
         flat = logprobs.logprobs
         return [float(flat[i]) for i in logprobs.start_indices]
     return [float(step[t].logprob) for step, t in zip(logprobs, toks)]
+
+
+def concat_rollouts(parts: Sequence[Batch]) -> Batch:
+    """Generate Batches of several calls or engines as one. Each is laid out [prompt left-padded to P |
+    response right-padded to R], and the trainer finds the responses at column P = width - R, so the prompt
+    columns are left-padded and the response columns right-padded to the widest P and R (a plain
+    `Batch.concat` would right-pad the whole row and shift the responses of the shorter-prompt batches).
+    Per-sequence tensors (width P + R: ids, masks, routed experts) are split at P; per-response ones (width R)
+    are right-padded; padding is 0, and -1 for routed experts (nothing routed)."""
+    given = [p for p in parts if p is not None]
+    parts = [p for p in given if len(p)]
+    if len(parts) <= 1:
+        return parts[0] if parts else (given[0] if given else Batch())
+    shapes = [(b["input_ids"].shape[1] - b["responses"].shape[1], b["responses"].shape[1]) for b in parts]
+    width_p, width_r = max(p for p, _ in shapes), max(r for _, r in shapes)
+    aligned = []
+    for b, (p, r) in zip(parts, shapes):
+        tensors = {}
+        for k, v in b.tensors.items():
+            fill = -1 if k == "routed_experts" else 0
+            tail = (0, 0) * (v.dim() - 2)
+            if v.dim() >= 2 and v.shape[1] == p + r and p > 0:
+                v = torch.cat([torch.nn.functional.pad(v[:, :p], tail + (width_p - p, 0), value=fill),
+                               torch.nn.functional.pad(v[:, p:], tail + (0, width_r - r), value=fill)], dim=1)
+            elif v.dim() >= 2 and v.shape[1] == r:
+                v = torch.nn.functional.pad(v, tail + (0, width_r - r), value=fill)
+            tensors[k] = v
+        aligned.append(Batch(tensors, b.meta, b.info))
+    return Batch.concat(aligned)

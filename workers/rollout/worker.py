@@ -42,6 +42,10 @@ class RolloutWorker:
         self.cfg = cfg.validate()
         self.rank = rank
         self.name = name or f"rollout/{rank}"  # the Ray actor name (RolloutGroup), and the log-line prefix
+        if log_path:
+            from workers.group.worker import placement
+
+            print(f"{self.name} started: pid {os.getpid()} ({placement()})", flush=True)
         self.work_dir = prepare_env(cfg)
         if not cuda_available():
             from workers.group.worker import set_niceness
@@ -270,13 +274,17 @@ class RolloutWorker:
     # ---- sleep / wake (GPU colocation) -----------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
         """GPU: free KV cache (and weights at level 2) while the policy trains. CPU: a documented no-op."""
-        if cuda_available() and self.cfg.enable_sleep_mode and not self.asleep:
+        active = cuda_available() and self.cfg.enable_sleep_mode and not self.asleep
+        print(f"rollout rank {self.rank}: sleep(level={level}){'' if active else ' (no-op)'}", flush=True)
+        if active:
             self.llm.sleep(level=level)
             self.asleep = True
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """GPU: re-allocate what `sleep` freed (`tags` e.g. ["weights"] before a sync). CPU: no-op."""
-        if cuda_available() and self.cfg.enable_sleep_mode and self.asleep:
+        active = cuda_available() and self.cfg.enable_sleep_mode and self.asleep
+        print(f"rollout rank {self.rank}: wake_up(tags={tags}){'' if active else ' (no-op)'}", flush=True)
+        if active:
             self.llm.wake_up(tags=tags)
             self.asleep = tags is not None and "kv_cache" not in tags
 

@@ -75,7 +75,7 @@ def role_group(role: str, rc: RoleConfig, cfg: RunConfig, run_dir: Path, worker_
     par, a = rc.parallel, cfg.algorithm
     steps = optimizer_steps or max(1, cfg.trainer.total_steps * a.ppo_epochs * a.mini_batches)
     return WorkerGroup(  # the resources section's fields are WorkerGroup arguments of the same names
-        role=role, worker_cls=worker_cls, tp=par.tp, pp=par.pp, dp=par.dp, **vars(rc.resources),
+        role=role, worker_cls=worker_cls, tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp, **vars(rc.resources),
         timeout_s=cfg.trainer.timeout_s, log_dir=run_dir / "logs", seed=cfg.trainer.seed, resource_pool=pool,
         init_kwargs=vars(build(MegatronOptions, rc, **{  # `init` may replace any of these (e.g. the optimizer)
             "model_path": model_path or rc.model_path or cfg.model.path,
@@ -270,7 +270,7 @@ def colocated_pool(cfg: RunConfig) -> Any:
     from workers.group.pool import ResourcePool
 
     par, res, r = cfg.policy.parallel, cfg.policy.resources, cfg.rollout
-    return ResourcePool("colocated", par.tp * par.pp * par.dp, res.num_cpus_per_worker + r.num_cpus,
+    return ResourcePool("colocated", par.tp * par.cp * par.pp * par.dp, res.num_cpus_per_worker + r.num_cpus,
                         res.num_gpus_per_worker, timeout_s=min(cfg.trainer.timeout_s, 60.0))
 
 

@@ -114,6 +114,13 @@ def test_parallel_divisibility():
     assert "critic.parallel.pp" in err(["algorithm.name=ppo", "critic.enabled=true", "critic.parallel.pp=3"])
 
 
+def test_context_parallel_fields():
+    assert load_config(None, BASE + ["policy.parallel.cp=2"]).policy.parallel.cp == 2
+    assert "policy.parallel.cp: expected an integer >= 1, got 0" in err(["policy.parallel.cp=0"])
+    msg = err(["policy.parallel.cp=2", "policy.parallel.pp=2"])
+    assert "policy.parallel.cp=2: context parallelism does not run with pipeline parallelism" in msg
+
+
 def test_batch_arithmetic_explained():
     msg = err(["data.prompts_per_step=3", "rollout.n=3", "policy.micro_batch_size=2"])
     assert "micro batch x gradient accumulation x DP" in msg and "= 2" in msg

@@ -14,7 +14,11 @@ from workers.rollout.sampling import SamplingConfig
 
 @dataclass
 class ParallelConfig:
-    """Megatron parallel layout of one role. world size = tp * pp * dp.
+    """Megatron parallel layout of one role. world size = tp * cp * pp * dp.
+
+    `cp` (context parallelism): each sequence is split over `cp` ranks in 2 x cp load-balanced chunks;
+    attention all-gathers keys and values, the loss sees whole rows (workers.megatron.context_parallel).
+    The batch is still split over `dp` only. Dense models without MLA, pp = 1.
 
     `ep` (MoE models): expert parallelism. The routed experts are split over `ep` ranks taken from the
     data-parallel ones (megatron-core lays expert layers out as tp x ep x expert-dp x pp on the same ranks),
@@ -24,6 +28,7 @@ class ParallelConfig:
     pp: int = 1
     dp: int = 1
     ep: int = 1
+    cp: int = 1
 
 
 @dataclass

@@ -103,7 +103,7 @@ def _choice(value: str, field: str, choices: Sequence[str]) -> None:
 
 def _check_role(name: str, role: RoleConfig, shape: ModelShape | None) -> None:
     par = role.parallel
-    for k in ("tp", "pp", "dp", "ep"):
+    for k in ("tp", "pp", "dp", "ep", "cp"):
         _require(getattr(par, k) >= 1, f"{name}.parallel.{k}", "an integer >= 1", getattr(par, k))
     _require(role.micro_batch_size >= 1, f"{name}.micro_batch_size", "an integer >= 1", role.micro_batch_size)
     _choice(role.dtype, f"{name}.dtype", DTYPE_NAMES)
@@ -151,6 +151,11 @@ def _check_role(name: str, role: RoleConfig, shape: ModelShape | None) -> None:
         )
     if shape.num_layers % par.pp:
         raise ConfigError(f"{name}.parallel.pp={par.pp} does not divide the {shape.num_layers} layers of {src}")
+    if par.cp > 1 and (par.pp > 1 or shape.num_experts or shape.mla_latent_error is not None):
+        what = "pipeline parallelism (pp > 1)" if par.pp > 1 else \
+            f"an MoE model ({src})" if shape.num_experts else f"multi-head latent attention ({src})"
+        raise ConfigError(f"{name}.parallel.cp={par.cp}: context parallelism does not run with {what}; "
+                          "it splits the sequences of dense models at pp=1 (use tp, ep or dp instead)")
     _check_experts(name, role, shape)
 
 
@@ -367,7 +372,7 @@ def _check_pipeline(cfg: RunConfig) -> None:
     if r.colocate_with is not None:
         _choice(r.colocate_with, "rollout.colocate_with", ["policy", "null (a pool of its own)"])
         par = cfg.policy.parallel
-        world = par.tp * par.pp * par.dp
+        world = par.tp * par.cp * par.pp * par.dp
         if r.num_engines > world:
             raise ConfigError(f"rollout.colocate_with=policy puts engine i beside policy rank i: rollout.num_engines="
                               f"{r.num_engines} needs at least as many policy ranks, but tp x pp x dp = {par.tp} x "

@@ -24,7 +24,8 @@ def overlay_dict(plan: Plan, req: Request) -> dict:
     out: dict = {}
     for role in req.roles:
         if role in TRAINED + FROZEN:
-            parallel = {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp} | ({"ep": lay.ep} if lay.ep > 1 else {})
+            parallel = {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp} | ({"ep": lay.ep} if lay.ep > 1 else {}) \
+                | ({"cp": lay.cp} if lay.cp > 1 else {})
             section: dict = {"parallel": parallel, "micro_batch_size": lay.mbs, "dtype": dtype}
             if lay.sp:
                 section["sequence_parallel"] = True

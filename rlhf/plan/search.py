@@ -69,11 +69,13 @@ class Plan:
 
 
 def missing_levers(m: ModelSpec, lay: Layout) -> list[str]:
-    """What this layout needs that rlhf's config cannot express yet (policy.parallel has tp, pp, dp and ep,
-    experts keeping the dense TP; a role's recompute, sequence_parallel and optim.cpu_offload set the others)."""
+    """What this layout needs that rlhf's config cannot express yet (policy.parallel has tp, cp, pp, dp and
+    ep, experts keeping the dense TP; a role's recompute, sequence_parallel and optim.cpu_offload set the
+    others; context parallelism runs for dense models at pp=1)."""
     out = []
-    if lay.cp > 1:
-        out.append(f"context parallel cp={lay.cp}")
+    if lay.cp > 1 and (m.moe or m.mla or lay.pp > 1):
+        why = "an MoE model" if m.moe else "MLA" if m.mla else "pipeline parallelism"
+        out.append(f"context parallel cp={lay.cp} with {why}")
     if lay.vpp > 1:
         out.append(f"virtual pipeline vpp={lay.vpp}")
     if m.moe and lay.etp != lay.tp:

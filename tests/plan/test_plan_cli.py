@@ -117,3 +117,22 @@ def test_optimizer_offload_reaches_the_overlay(tmp_path):
     out = write_overlay(tmp_path / "offload.yaml", plan, req)
     cfg = load_config("configs/grpo_tiny.yaml", [], validate=False, overlays=[out])
     assert cfg.policy.optim.cpu_offload and cfg.policy.optim.use_distributed_optimizer
+
+
+def test_context_parallel_reaches_the_overlay(tmp_path):
+    """A dense plan with context parallelism is runnable as configured: its overlay sets policy.parallel.cp
+    (runs: tests/workers/test_context_parallel.py); with an MoE model it is still a missing lever."""
+    from rlhf.plan.hardware import GIB, get_gpu
+    from rlhf.plan.model import load_model
+    from rlhf.plan.overlay import write_overlay
+    from rlhf.plan.search import Planner, Request, missing_levers
+
+    req = Request(load_model("Llama-3-8B"), get_gpu("H100"), 1, 8, 80 * GIB, 8192, 64, roles=("policy",))
+    planner = Planner(req)
+    plan = planner.evaluate(next(p.layout for p in planner.plan() if p.layout.pp == 1).with_(cp=2))
+    assert plan.missing == []
+    out = write_overlay(tmp_path / "cp.yaml", plan, req)
+    cfg = load_config("configs/grpo_tiny.yaml", [], validate=False, overlays=[out])
+    assert cfg.policy.parallel.cp == 2
+    moe = load_model("Qwen3-30B-A3B")
+    assert missing_levers(moe, plan.layout) == ["context parallel cp=2 with an MoE model"]

@@ -41,16 +41,17 @@ from workers.group.errors import (
 )
 from workers.group.pool import ResourcePool
 from workers.group.wait import Failure, is_death, settle, wait_all
-from workers.group.worker import WorkerContext, layout_of, tail_file
+from workers.group.worker import WorkerContext, cp_rank_of, layout_of, tail_file
 from workers.net import LOOPBACK
 
 log = logging.getLogger("workers")
 _GRACE_S = 2.0  # after one rank fails, how long the others get to finish before the group is marked broken
 
 
-def rank_name(role: str, dp_rank: int, tp_rank: int, pp_rank: int) -> str:
-    """The actor name of a rank, e.g. 'policy/dp0-tp1-pp0'."""
-    return f"{role}/dp{dp_rank}-tp{tp_rank}-pp{pp_rank}"
+def rank_name(role: str, dp_rank: int, tp_rank: int, pp_rank: int, cp_rank: int | None = None) -> str:
+    """The actor name of a rank, e.g. 'policy/dp0-tp1-pp0' ('policy/dp0-cp1-tp0-pp0' with context parallelism)."""
+    cp = "" if cp_rank is None else f"-cp{cp_rank}"
+    return f"{role}/dp{dp_rank}{cp}-tp{tp_rank}-pp{pp_rank}"
 
 
 def _put(arg: Any) -> Any:
@@ -96,7 +97,7 @@ class _Method:
 
 
 class WorkerGroup:
-    """`tp * pp * dp` actors of `worker_cls` (a `workers.group.worker.Worker` subclass) in one world.
+    """`tp * cp * pp * dp` actors of `worker_cls` (a `workers.group.worker.Worker` subclass) in one world.
 
     Resources: each rank takes `num_cpus_per_worker` CPUs (fractions allowed) and `num_gpus_per_worker`
     GPUs from bundle `rank` of `resource_pool`; without a pool the group creates its own (roles placed
@@ -128,14 +129,15 @@ class WorkerGroup:
         env_vars: dict[str, str] | None = None,
         backend: str | None = None,
         niceness: int | None = 0,
+        cp: int = 1,
     ) -> None:
-        if min(tp, pp, dp) < 1:
-            raise ValueError(f"{role}: tp, pp and dp must be >= 1, got tp={tp} pp={pp} dp={dp}")
+        if min(tp, pp, dp, cp) < 1:
+            raise ValueError(f"{role}: tp, cp, pp and dp must be >= 1, got tp={tp} cp={cp} pp={pp} dp={dp}")
         if not ray.is_initialized():
             raise WorkerGroupError(f"{role}: ray is not initialised; call ray.init() first")
         self.role, self.name, self.worker_cls = role, name or role, worker_cls
-        self.tp, self.pp, self.dp = tp, pp, dp
-        self.world_size = tp * pp * dp
+        self.tp, self.pp, self.dp, self.cp = tp, pp, dp, cp
+        self.world_size = tp * cp * pp * dp
         self.timeout_s = timeout_s
         self.log_dir = Path(log_dir).resolve()
         self._cpus, self._gpus = float(num_cpus_per_worker), float(num_gpus_per_worker)
@@ -149,7 +151,8 @@ class WorkerGroup:
             for rank in range(self.world_size):
                 self.pool.reserve(rank, self._cpus, self._gpus, who=f"{self.name} rank {rank}")
                 self._reserved.append(rank)
-            self.names = [rank_name(self.name, *layout_of(r, tp, pp, dp)) for r in range(self.world_size)]
+            self.names = [rank_name(self.name, *layout_of(r, tp, pp, dp, cp), cp_rank_of(r, tp, cp) if cp > 1 else None)
+                          for r in range(self.world_size)]
             self.infos: list[dict[str, Any]] = [{"name": n, "rank": r} for r, n in enumerate(self.names)]
             self._spawn(init_kwargs or {}, collective_timeout_s or timeout_s, seed, num_threads, env_vars, backend,
                         niceness)
@@ -168,7 +171,7 @@ class WorkerGroup:
                 role=self.role, name=name, rank=rank, world_size=self.world_size, tp=self.tp, pp=self.pp,
                 dp=self.dp, log_path=str(self.log_dir / self.name / (name.split("/", 1)[1] + ".log")),
                 timeout_s=collective_timeout_s, backend=backend, seed=seed, num_threads=num_threads,
-                niceness=niceness,
+                niceness=niceness, cp=self.cp,
             )
             options: dict[str, Any] = dict(
                 name=name,
@@ -191,14 +194,14 @@ class WorkerGroup:
         refs = [a.init_world.remote(addr, port) for a in self._actors]
         self.infos = self._wait(refs, all_ranks, timeout_s, "init_world")
         for rank, info in enumerate(self.infos):
-            expect = layout_of(rank, self.tp, self.pp, self.dp)
-            got = (info["dp_rank"], info["tp_rank"], info["pp_rank"])
+            expect = (*layout_of(rank, self.tp, self.pp, self.dp, self.cp), cp_rank_of(rank, self.tp, self.cp))
+            got = (info["dp_rank"], info["tp_rank"], info["pp_rank"], info.get("cp_rank", 0))
             if got != expect:
-                raise WorkerGroupError(f"{self.names[rank]}: rank {rank} has layout dp/tp/pp={got}, expected {expect}")
+                raise WorkerGroupError(f"{self.names[rank]}: rank {rank} has layout dp/tp/pp/cp={got}, expected {expect}")
         self.output_ranks = [next(i["rank"] for i in self.infos if i["is_output"] and i["dp_rank"] == d)
                              for d in range(self.dp)]
-        log.info("%s: %d ranks up (tp=%d pp=%d dp=%d) rendezvous %s:%d", self.name, self.world_size,
-                 self.tp, self.pp, self.dp, addr, port)
+        log.info("%s: %d ranks up (tp=%d cp=%d pp=%d dp=%d) rendezvous %s:%d", self.name, self.world_size,
+                 self.tp, self.cp, self.pp, self.dp, addr, port)
 
     # ---- calling ------------------------------------------------------------------------------
     def __getattr__(self, name: str) -> _Method:

@@ -35,6 +35,7 @@ class WorkerContext:
     pp: int
     dp: int
     log_path: str
+    cp: int = 1  # context-parallel ranks per sequence (world = tp * cp * pp * dp)
     timeout_s: float = 300.0  # collective timeout
     backend: str | None = None  # None: gloo without CUDA, nccl with it
     seed: int = 1234
@@ -42,9 +43,15 @@ class WorkerContext:
     niceness: int | None = 0  # CPU priority of the rank (Ray starts workers at nice 15); None: leave it
 
 
-def layout_of(rank: int, tp: int, pp: int, dp: int) -> tuple[int, int, int]:
-    """(dp_rank, tp_rank, pp_rank) of a global rank in megatron-core's default order (tp fastest, pp slowest)."""
-    return (rank // tp) % dp, rank % tp, rank // (tp * dp)
+def layout_of(rank: int, tp: int, pp: int, dp: int, cp: int = 1) -> tuple[int, int, int]:
+    """(dp_rank, tp_rank, pp_rank) of a global rank in megatron-core's default order (tp fastest, then cp,
+    dp, pp slowest)."""
+    return (rank // (tp * cp)) % dp, rank % tp, rank // (tp * cp * dp)
+
+
+def cp_rank_of(rank: int, tp: int, cp: int) -> int:
+    """The context-parallel rank of a global rank (see `layout_of`)."""
+    return (rank // tp) % cp
 
 
 def redirect_output(path: str | Path) -> Any:
@@ -79,7 +86,8 @@ class Worker:
     def __init__(self, ctx: WorkerContext, **init_kwargs: Any) -> None:
         self.ctx = ctx
         self.init_kwargs = init_kwargs
-        self.dp_rank, self.tp_rank, self.pp_rank = layout_of(ctx.rank, ctx.tp, ctx.pp, ctx.dp)
+        self.dp_rank, self.tp_rank, self.pp_rank = layout_of(ctx.rank, ctx.tp, ctx.pp, ctx.dp, ctx.cp)
+        self.cp_rank = cp_rank_of(ctx.rank, ctx.tp, ctx.cp)
         self._setup_logging()
         if ctx.niceness is not None:
             set_niceness(ctx.niceness)
@@ -95,8 +103,8 @@ class Worker:
     # ---- layout -------------------------------------------------------------------------------
     @property
     def is_output_rank(self) -> bool:
-        """The rank whose results a DP_COMPUTE call returns: last PP stage, TP rank 0."""
-        return self.tp_rank == 0 and self.pp_rank == self.ctx.pp - 1
+        """The rank whose results a DP_COMPUTE call returns: last PP stage, TP and CP rank 0."""
+        return self.tp_rank == 0 and self.cp_rank == 0 and self.pp_rank == self.ctx.pp - 1
 
     def rank_info(self) -> dict[str, Any]:
         """Where this rank runs and what it is (used by the group for dispatch and error messages)."""
@@ -108,6 +116,7 @@ class Worker:
             "dp_rank": self.dp_rank,
             "tp_rank": self.tp_rank,
             "pp_rank": self.pp_rank,
+            "cp_rank": self.cp_rank,
             "is_output": self.is_output_rank,
             "node_ip": ray.util.get_node_ip_address(),
             "node_id": ray.get_runtime_context().get_node_id(),

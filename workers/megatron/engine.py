@@ -107,6 +107,9 @@ class MegatronEngine:
         self.module = model
         self.config = model.config
         self.supports_explicit_positions = rope_positions.install(model)
+        self.cp = ps.get_context_parallel_world_size()
+        if self.cp > 1:
+            _check_context_parallel(self.cp, pp, self.moe is not None, self.config, self.supports_explicit_positions)
         self.expert_parallel = self.moe is not None and ps.get_expert_model_parallel_world_size() > 1
         self.routing = None
         if self.moe is not None:
@@ -236,10 +239,15 @@ class MegatronEngine:
             extra = {} if run.padding is None else {"padding_mask": run.padding}
             if self.routing is not None:
                 self.routing.set(mb.routes)
-            with rope_positions.explicit_positions(mb.position_ids if mb.explicit_positions else None), \
-                    self._router_losses(run):
-                out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mb.attention_mask,
-                            **extra)
+            ids, positions, mask = mb.input_ids, mb.position_ids, mb.attention_mask
+            explicit = mb.explicit_positions
+            if self.cp > 1:  # this rank's columns; RoPE at their positions, attention rows of their queries
+                ids, positions, mask, extra = self._cp_local(ids, positions, mask, extra)
+                explicit = True
+            with rope_positions.explicit_positions(positions if explicit else None), self._router_losses(run):
+                out = model(input_ids=ids, position_ids=positions, attention_mask=mask, **extra)
+            if self.cp > 1:
+                out = self._cp_whole(out)
             if record_routes and self.routing is not None and not run.filler:
                 b, s = mb.input_ids.shape[:2]
                 recorded.append(self.routing.recorded(b, s)[: run.rows, : run.cols])
@@ -295,9 +303,31 @@ class MegatronEngine:
             from megatron.core import parallel_state as ps
 
             runs = align_micros(micro_batches, ps.get_expert_model_parallel_group(), self.device)
-        if self.config.sequence_parallel:
-            runs = [round_columns(r, self.tp) for r in runs]
+        multiple = (self.tp if self.config.sequence_parallel else 1) * (2 * self.cp if self.cp > 1 else 1)
+        if multiple > 1:
+            runs = [round_columns(r, multiple) for r in runs]
         return runs
+
+    # ---- context parallelism (workers.megatron.context_parallel) ----------------------------------
+    def _cp_local(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                  extra: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+        """This context-parallel rank's columns of a micro-batch: its tokens and positions, the mask rows of
+        its queries over every key column, its part of the padding mask."""
+        from megatron.core import parallel_state as ps
+
+        from workers.megatron.context_parallel import local_columns
+
+        cols = local_columns(ids.shape[1], self.cp, ps.get_context_parallel_rank(), ids.device)
+        local_extra = {k: v[:, cols] for k, v in extra.items()}
+        return ids[:, cols], positions[:, cols], mask[:, :, cols, :], local_extra
+
+    def _cp_whole(self, out: torch.Tensor) -> torch.Tensor:
+        """The model output [b, s/cp, ...] of every context-parallel rank as whole rows [b, s, ...]."""
+        from megatron.core import parallel_state as ps
+
+        from workers.megatron.context_parallel import gather_sequence
+
+        return gather_sequence(out, 1, ps.get_context_parallel_group())
 
     @contextlib.contextmanager
     def _grads_scaled(self, factor: float) -> Iterator[None]:
@@ -394,7 +424,8 @@ class MegatronEngine:
         from megatron.core import parallel_state as ps
 
         return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
-                "dp": ps.get_data_parallel_world_size(), "ep": ps.get_expert_model_parallel_world_size()}
+                "dp": ps.get_data_parallel_world_size(), "ep": ps.get_expert_model_parallel_world_size(),
+                "cp": ps.get_context_parallel_world_size()}
 
     def _rng_object(self, data: Any) -> Any:
         from megatron.core import parallel_state as ps
@@ -403,7 +434,7 @@ class MegatronEngine:
         lay = self._layout()
         return ShardedObject("rng_state", data, (lay["pp"], lay["tp"]),
                              (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()),
-                             replica_id=ps.get_data_parallel_rank())
+                             replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
 
     def _sharded_state(self, with_optimizer: bool, is_loading: bool) -> dict[str, Any]:
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
@@ -462,7 +493,7 @@ class MegatronEngine:
         common = dist_checkpointing.load_common_state_dict(path)
         meta = dict(common.get("meta", {}))
         _check_lora_match(meta.get("lora"), self.lora, path, str(self.model_path))
-        saved = {"ep": 1, **meta.get("layout", {})}  # checkpoints from before expert parallelism: ep 1
+        saved = {"ep": 1, "cp": 1, **meta.get("layout", {})}  # checkpoints from before expert / context parallelism
         same_mp = {k: v for k, v in saved.items() if k != "dp"} == {k: v for k, v in self._layout().items() if k != "dp"}
         with_opt = load_optimizer and self.optimizer is not None
         if with_opt:
@@ -518,6 +549,21 @@ class MegatronEngine:
         for p in self.module.parameters():
             p.data = p.data.to(self.device, non_blocking=True)
         self._offloaded = False
+
+
+def _check_context_parallel(cp: int, pp: int, moe: bool, config: Any, explicit_positions: bool) -> None:
+    """Raise ValueError (naming what to change) for a model or layout context parallelism does not run."""
+    why = None
+    if pp > 1:
+        why = "with pipeline parallelism (each stage would pass split activations): use pp=1"
+    elif moe:
+        why = "with an MoE model (routing replay and the router losses work on whole rows): use ep and dp"
+    elif getattr(config, "multi_latent_attention", False):
+        why = "with multi-head latent attention (its per-layer RoPE is not split): use tp"
+    elif not explicit_positions:
+        why = "with fused RoPE (each rank's tokens need RoPE at their own positions)"
+    if why:
+        raise ValueError(f"context parallelism (cp={cp}) does not run {why}")
 
 
 def _check_lora_match(saved: dict[str, Any] | None, lora: LoRAConfig | None, path: str, base: str) -> None:

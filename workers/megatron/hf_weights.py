@@ -232,13 +232,13 @@ def write_hf_shards(model: torch.nn.Module, hf_config: Any, target: Callable[[st
 
 def shard_writers() -> tuple[bool, bool]:
     """(dense, experts): what this rank writes with `write_hf_shards` so that the ranks together write every
-    tensor once: the dense parameters on DP replica 0, the routed experts on expert-data-parallel rank 0
+    tensor once: the dense parameters on DP (and context-parallel) replica 0, the routed experts on expert-data-parallel rank 0
     (with EP > 1 these are EP ranks 0..ep-1, each holding its own experts; with EP 1 the same ranks as dense)."""
     from megatron.core import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
         return True, True
-    return ps.get_data_parallel_rank() == 0, ps.get_expert_data_parallel_rank() == 0
+    return ps.get_data_parallel_rank(with_context_parallel=True) == 0, ps.get_expert_data_parallel_rank() == 0
 
 
 def expert_tp_layout() -> tuple[int, int]:
@@ -252,10 +252,11 @@ def expert_tp_layout() -> tuple[int, int]:
 
 def is_hf_weight_source() -> bool:
     """True on the ranks whose `iter_hf_weights` output a consumer should keep: tp rank 0 and dp rank 0
-    (one rank per pipeline stage)."""
+    (one rank per pipeline stage) and context-parallel rank 0."""
     from megatron.core import parallel_state
 
-    return parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0
+    return parallel_state.get_tensor_model_parallel_rank() == 0 and \
+        parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
 
 
 def hf_index(files: Mapping[str, list[str]]) -> dict:

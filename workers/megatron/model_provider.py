@@ -230,9 +230,14 @@ def build_gpt_model(
     elif padded_vocab < vocab or padded_vocab % tp:
         raise ValueError(f"padded vocab {padded_vocab} must be >= vocab_size {vocab} and divisible by TP {tp}")
     tie = bool(cfg_get(hf_config, "tie_word_embeddings", False)) and not value_head
+    spec = decoder_spec(config, use_te)
+    if parallel_state.get_context_parallel_world_size() > 1:
+        from workers.megatron.context_parallel import with_context_parallel_attention
+
+        spec = with_context_parallel_attention(spec)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=decoder_spec(config, use_te),
+        transformer_layer_spec=spec,
         vocab_size=padded_vocab,
         max_sequence_length=cfg_get(hf_config, "max_position_embeddings"),
         pre_process=pre_process,

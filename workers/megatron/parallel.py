@@ -28,20 +28,22 @@ def init_distributed(
     timeout_s: float = 300.0,
     seed: int = 1234,
     ep: int = 1,
+    cp: int = 1,
 ) -> None:
-    """Initialise torch.distributed and megatron parallel_state (TP, PP given; DP = world / (TP*PP)).
+    """Initialise torch.distributed and megatron parallel_state (TP, CP, PP given; DP = world / (TP*CP*PP)).
 
-    `ep` is the expert-parallel size; expert layers keep TP as their tensor-parallel size, so megatron
+    `cp` is the context-parallel size (`workers.megatron.context_parallel`; ranks in megatron's order,
+    tp fastest, then cp, dp, pp). `ep` is the expert-parallel size; expert layers keep TP as their tensor-parallel size, so megatron
     needs world % (TP*EP*PP) == 0, i.e. EP divides DP (see `ep_fit_error`).
 
     On CPU applies the compatibility layer first (and enters its device mode in this thread). Seeds the
     megatron RNG tracker with `model_parallel_cuda_manual_seed(seed)`. Raises ValueError when the world
-    size is not a multiple of tp*pp.
+    size is not a multiple of tp*cp*pp.
     """
-    if tp < 1 or pp < 1:
-        raise ValueError(f"tp and pp must be >= 1, got tp={tp} pp={pp}")
-    if world_size % (tp * pp) != 0:
-        raise ValueError(f"world size {world_size} is not divisible by tp*pp = {tp}*{pp}")
+    if min(tp, pp, cp) < 1:
+        raise ValueError(f"tp, cp and pp must be >= 1, got tp={tp} cp={cp} pp={pp}")
+    if world_size % (tp * cp * pp) != 0:
+        raise ValueError(f"world size {world_size} is not divisible by tp*cp*pp = {tp}*{cp}*{pp}")
     err = ep_fit_error(world_size, tp, pp, ep)
     if err:
         raise ValueError(err)
@@ -59,6 +61,7 @@ def init_distributed(
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
         expert_model_parallel_size=ep,
         distributed_timeout_minutes=max(1, int(timeout_s // 60)),
     )

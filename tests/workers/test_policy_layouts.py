@@ -106,7 +106,7 @@ def test_checkpoint_round_trip_and_reshard(env, tmp_path):
     after_one = tp1.train_step(batch, {})
     w1 = fetch_state_dict(tp1.state_dict_for_rollout())
     meta = tp1.load_checkpoint(ckpt)
-    assert meta["layout"] == {"tp": 1, "pp": 1, "dp": 1, "ep": 1}
+    assert meta["layout"] == {"tp": 1, "pp": 1, "dp": 1, "ep": 1, "cp": 1}
     assert (tp1.compute_logprobs(batch)["logprobs"] - saved).abs().max() == 0
     again = tp1.train_step(batch, {})  # optimizer + scheduler state restored: the same step again
     w2 = fetch_state_dict(tp1.state_dict_for_rollout())

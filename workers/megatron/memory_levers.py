@@ -47,10 +47,10 @@ def cpu_offload_fields(optim: OptimConfig) -> dict[str, Any]:
             "use_precision_aware_optimizer": True, "decoupled_weight_decay": True}
 
 
-def describe(config: Any, optim: OptimConfig | None = None) -> str:
-    """One line of what is on, read back from the built model's config (forced levers included) and, for a
-    trained model, its optimizer settings (`OptimSettings`; None when frozen)."""
-    parts = []
+def describe(config: Any, optim: OptimConfig | None = None, cp: int = 1) -> str:
+    """One line of what is on, read back from the built model's config (forced levers included), the
+    context-parallel size and, for a trained model, its optimizer settings (`OptimSettings`; None when frozen)."""
+    parts = [f"context parallel over cp={cp} (keys and values all-gathered)"] if cp > 1 else []
     if config.recompute_granularity == "selective":
         parts.append(f"selective recompute ({', '.join(config.recompute_modules or [])})")
     elif config.recompute_granularity == "full":

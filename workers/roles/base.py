@@ -75,7 +75,7 @@ class MegatronWorker(Worker):
                                      optim=o.optim, moe=o.moe, lora=o.lora, load_weights=o.load_weights,
                                      recompute=o.recompute, recompute_num_layers=o.recompute_num_layers,
                                      sequence_parallel=o.sequence_parallel)
-        self._log(describe(self.engine.config, self.engine.optim if self.trainable else None))
+        self._log(describe(self.engine.config, self.engine.optim if self.trainable else None, self.engine.cp))
         pack = o.pack_sequences
         if pack is None:
             pack = "prefix" if self.engine.supports_explicit_positions else True

@@ -8,9 +8,11 @@ def saved_activation_bytes(model_dir: str, dtype: str, seq: int, mbs: int, recom
     """Build the engine's model (with these memory levers), run one forward with labels (megatron's cross
     entropy) and count the bytes autograd saves for backward on this rank (unique storages that are not
     parameters; what a recomputed block saves is its checkpoint's inputs), then the backward, counting what
-    the recomputed blocks save during it (0 without full recompute)."""
+    the recomputed blocks save during it (0 without full recompute). With context parallelism (a CP group
+    from `run_distributed(cp=)`) the rank runs its own columns, as the engine splits them, with their labels."""
     import torch
 
+    from workers.megatron import rope_positions
     from workers.megatron.engine import MegatronEngine
     from workers.megatron.masks import causal_mask
 
@@ -27,11 +29,16 @@ def saved_activation_bytes(model_dir: str, dtype: str, seq: int, mbs: int, recom
         return t
 
     ids = torch.randint(0, 500, (mbs, seq + 1), generator=torch.Generator().manual_seed(0))
+    inputs, labels = ids[:, :-1], ids[:, 1:]
     pos = torch.arange(seq).unsqueeze(0).expand(mbs, seq)
     mask = causal_mask(seq)[None, None]
+    explicit = None
+    if eng.cp > 1:  # this rank's columns (engine._cp_local), RoPE at their positions
+        inputs, pos, mask, local = eng._cp_local(inputs, pos, mask, {"labels": labels})
+        labels, explicit = local["labels"], pos
     model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(input_ids=ids[:, :-1], position_ids=pos, attention_mask=mask, labels=ids[:, 1:]).mean()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), rope_positions.explicit_positions(explicit):
+        loss = model(input_ids=inputs, position_ids=pos, attention_mask=mask, labels=labels).mean()
     forward = sum(saved.values())
     saved.clear()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # what recompute saves again in backward

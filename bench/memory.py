@@ -8,8 +8,11 @@ softmax output), no dropout and the model's dtype: once with the fused-kernel te
 GPUs, once with the unfused CPU path's terms (torch RMSNorm keeps two fp32 copies of its input, a 16-bit
 model's softmax runs in fp32 and keeps that output too, SwiGLU keeps SiLU's output).
 
-Then the memory levers (`recompute`, `sequence_parallel`): the same measurement in fp32 per rank, at TP1 with
-recompute none / selective / full and at TP2 without and with sequence parallelism, against the estimate.
+Then the memory levers (`recompute`, `sequence_parallel`, `cp`): the same measurement in fp32 per rank, at TP1
+with recompute none / selective / full, at TP2 without and with sequence parallelism and at CP2 (each rank runs
+its half of the columns; the estimate counts the gathered K / V and the scores over the whole sequence that
+the engine's CP attention keeps), against the estimate. The engine also gathers the logits into whole rows for
+the loss, which this forward with labels (each rank's own columns) does not include.
 With full recompute the peak comes in the backward: the kept layer inputs plus what one recomputed layer
 saves again (the backward's re-saved bytes over the layer count).
 
@@ -114,19 +117,20 @@ def lever_rows(args: argparse.Namespace) -> None:
 
     out = Path("runs/bench/memory") / args.preset  # created by activations()
     m = load_model(args.preset)
-    opts = ActOptions(elem=4, flash_attention=False, norm_bytes=8, fused_swiglu=False)
+    opts = ActOptions(elem=4, flash_attention=False, norm_bytes=8, fused_swiglu=False, cp_gathered_kv=True)
     measured: dict[str, float] = {}
     rows = []
-    for name, tp, recompute, sp in (("none", 1, "none", False), ("selective", 1, "selective", False),
-                                    ("full", 1, "full", False), ("tp2", 2, "none", False),
-                                    ("tp2 + sequence parallel", 2, "none", True)):
-        ranks = run_distributed(saved_activation_bytes, tp, args=(str(out), "float32", args.seq, args.mbs,
-                                                                  recompute, sp), tp=tp)
+    for name, tp, cp, recompute, sp in (("none", 1, 1, "none", False), ("selective", 1, 1, "selective", False),
+                                        ("full", 1, 1, "full", False), ("tp2", 2, 1, "none", False),
+                                        ("tp2 + sequence parallel", 2, 1, "none", True),
+                                        ("cp2", 1, 2, "none", False)):
+        ranks = run_distributed(saved_activation_bytes, tp * cp, args=(str(out), "float32", args.seq, args.mbs,
+                                                                       recompute, sp), tp=tp, cp=cp)
         # full recompute's peak: the kept inputs plus one recomputed chunk's activations during its backward
         chunks = m.layers  # recompute_num_layers 1
         got = max(r["saved_bytes"] + r["recomputed_bytes"] / chunks for r in ranks)
-        est = stage_activation_bytes(m, Layout(tp=tp, mbs=args.mbs, recompute=recompute, sp=sp), args.seq, 1, 0,
-                                     opts)
+        est = stage_activation_bytes(m, Layout(tp=tp, cp=cp, mbs=args.mbs, recompute=recompute, sp=sp), args.seq,
+                                     1, 0, opts)
         measured[name] = got
         rows.append([name, f"{got / 2**20:.1f}", f"{est / 2**20:.1f}", f"{est / got:.3f}"])
     print(f"{args.preset}, fp32, seq {args.seq}, micro-batch {args.mbs}: saved activations of the fullest rank")
@@ -134,6 +138,7 @@ def lever_rows(args: argparse.Namespace) -> None:
     print(ratio_line("activation_selective_recompute_vs_none", measured["selective"] / measured["none"]))
     print(ratio_line("activation_full_recompute_vs_none", measured["full"] / measured["none"]))
     print(ratio_line("activation_sequence_parallel_vs_tp2", measured["tp2 + sequence parallel"] / measured["tp2"]))
+    print(ratio_line("activation_cp2_vs_none", measured["cp2"] / measured["none"]))
 
 
 if __name__ == "__main__":

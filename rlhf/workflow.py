@@ -24,6 +24,7 @@ import torch
 
 from rlhf.config.schema import RewardConfig, RoleConfig, RunConfig
 from rlhf.driver.rewards import RewardScorer
+from rlhf.rollout_buffer import AsyncRollout
 from workers.agent.options import AgentOptions
 from workers.batch import Batch
 from workers.config import build
@@ -182,14 +183,18 @@ def prompt_batch(records: list[dict[str, Any]]) -> Batch:
 class RolloutHandle:
     """The vLLM rollout engines (a RolloutGroup). `version` counts the weight syncs into them, and every
     sample carries the version that produced it (meta `policy_version`). With `rollout.mode: one_step_off`
-    a step `prefetch`es the next step's prompts before it trains, and the next step `take`s them."""
+    a step `prefetch`es the next step's prompts before it trains, and the next step `take`s them. With
+    `rollout.mode: async` (`buffer`, rlhf/rollout_buffer.py) `take` returns the oldest complete groups of a
+    bounded-staleness buffer that the engines keep filling, partial rollouts included."""
 
     def __init__(self, group: Any, sampling: Any, sync_config: Any, agent: AgentOptions | None = None,
-                 colocated: bool = False) -> None:
+                 colocated: bool = False, buffer: AsyncRollout | None = None) -> None:
         self.group, self.sampling, self.sync_config, self.agent = group, sampling, sync_config, agent
         self.colocated, self.asleep = colocated, False
         self.version = 0
         self._prefetched: tuple[Any, Any, int] | None = None  # (prompts and sampling, PendingGenerate, version)
+        self.buffer = buffer
+        self._metrics: dict[str, float] = {}
 
     def generate(self, prompts: list[dict[str, Any]] | Batch, **sampling: Any) -> Batch:
         """Sample responses for prompt records (`messages` or `prompt`, plus `ground_truth`) or a prompt Batch;
@@ -200,8 +205,15 @@ class RolloutHandle:
         """Start generating for `prompts` now, on the weights the engines hold; `take` gets the samples."""
         self._prefetched = ((prompts, sampling), self._start(prompts, sampling), self.version)
 
-    def take(self, prompts: list[dict[str, Any]], **sampling: Any) -> Batch:
-        """The samples of `prompts`: those `prefetch`ed for the same prompts and sampling, else generated now."""
+    def take(self, prompts: list[dict[str, Any]], draw: Any = None, **sampling: Any) -> Batch:
+        """The samples of `prompts`: those `prefetch`ed for the same prompts and sampling, else generated now.
+        In async mode: as many complete groups as `prompts` from the buffer, which queues `prompts` and
+        calls `draw()` for more prompts when it runs short (the loader's next batch)."""
+        if self.buffer is not None:
+            if draw is None:
+                raise ValueError("rollout.mode=async: take needs draw (a function giving more prompt records)")
+            batch, self._metrics = self.buffer.take(prompts, draw, self.version)
+            return batch
         ahead, self._prefetched = self._prefetched, None
         if ahead is not None and ahead[0] == (prompts, sampling):
             return self._tagged(ahead[1].result(), ahead[2])
@@ -226,11 +238,29 @@ class RolloutHandle:
             self.group.sleep(1)
             self.asleep = True
 
+    def pop_metrics(self) -> dict[str, float]:
+        """The async buffer's `rollout/*` metrics of the last take (empty in the other modes)."""
+        out, self._metrics = self._metrics, {}
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the engines' side: the version and (async) the buffer."""
+        return {"version": self.version} | ({"buffer": self.buffer.state_dict(self.version)} if self.buffer else {})
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict` after the resumed run's first sync (the engines hold the checkpoint's
+        weights, which were version `state["version"]`)."""
+        self.version = int(state.get("version", self.version))
+        if self.buffer is not None and "buffer" in state:
+            self.buffer.load_state_dict(state["buffer"])
+
     def sync_weights(self, policy: PolicyHandle, verify: bool | None = None) -> dict[str, Any]:
-        """Push the policy's weights into the engines (woken first if asleep); a prefetched generation
-        finishes on the old weights first."""
+        """Push the policy's weights into the engines (woken first if asleep); a prefetched generation (or
+        the async buffer's round in flight) finishes on the old weights first."""
         if self._prefetched is not None:
             self._prefetched[1].result()
+        if self.buffer is not None:
+            self.buffer.collect(self.version)
         if self.asleep:
             self.group.wake_up(None)
             self.asleep = False
@@ -257,8 +287,15 @@ def _rollout_handle(cfg: RunConfig, run_dir: Path, temp: float, pool: Any = None
     group = RolloutGroup(engine, r.num_engines, timeout_s=cfg.trainer.timeout_s, name="rollout",
                          log_dir=run_dir / "logs", resource_pool=pool)
     agent = build(AgentOptions, r) if r.tools or r.env else None
-    return RolloutHandle(group, build(SamplingConfig, r).validate(),
-                         build(SyncConfig, r, timeout_s=cfg.trainer.timeout_s), agent, colocated=pool is not None)
+    sampling = build(SamplingConfig, r).validate()
+    handle = RolloutHandle(group, sampling, build(SyncConfig, r, timeout_s=cfg.trainer.timeout_s), agent,
+                           colocated=pool is not None)
+    if r.mode == "async":
+        def start(prompts: list[dict[str, Any]] | Batch, params: Any) -> Any:
+            return group.start_generate(prompts if isinstance(prompts, Batch) else prompt_batch(prompts), params)
+
+        handle.buffer = AsyncRollout(start, sampling, r.partial_tokens, r.max_staleness)
+    return handle
 
 
 def colocated_pool(cfg: RunConfig) -> Any:

@@ -76,7 +76,9 @@ def test_wrong_type():
         ("rollout.num_engines=0", ["rollout.num_engines", ">= 1"]),
         ("rollout.tp=2", ["rollout.tp=2", "rollout.num_engines"]),
         ("rollout.colocate_with=critic", ["rollout.colocate_with", "policy, null"]),
-        ("rollout.mode=async", ["rollout.mode", "sync, one_step_off"]),
+        ("rollout.mode=offline", ["rollout.mode", "sync, one_step_off, async"]),
+        ("rollout.max_staleness=0", ["rollout.max_staleness", ">= 1"]),
+        ("rollout.partial_tokens=-1", ["rollout.partial_tokens", ">= 0"]),
         ("algorithm.off_policy_correction=clip", ["algorithm.off_policy_correction", "tis, mis_token"]),
         ("algorithm.is_cap=0.5", ["algorithm.is_cap", ">= 1"]),
         ("algorithm.is_high=0.9", ["algorithm.is_low / is_high", "0.5, 0.9"]),
@@ -93,6 +95,17 @@ def test_colocation_arithmetic_and_mode():
     assert "rollout.num_engines=3" in msg and "tp x pp x dp = 1 x 1 x 2 = 2" in msg
     msg = err(["rollout.colocate_with=policy", "rollout.mode=one_step_off"])
     assert "rollout.mode=sync (got one_step_off)" in msg
+
+
+def test_async_mode_fields():
+    cfg = load_config(None, BASE + ["rollout.mode=async", "rollout.partial_tokens=4", "rollout.max_tokens=16"])
+    assert (cfg.rollout.mode, cfg.rollout.partial_tokens, cfg.rollout.max_staleness) == ("async", 4, 1)
+    assert "only rollout.mode=async does (got sync)" in err(["rollout.partial_tokens=4", "rollout.max_tokens=16"])
+    msg = err(["rollout.mode=async", "rollout.partial_tokens=3", "rollout.max_tokens=16"])
+    assert "rollout.partial_tokens=3 must divide rollout.max_tokens=16" in msg and "16 % 3 = 1" in msg
+    assert "rollout.tools / rollout.env" in err(["rollout.mode=async", "rollout.tools=[calculator]"])
+    msg = err(["rollout.mode=async", "rollout.partial_tokens=4", "rollout.max_tokens=16", "rollout.stop=[END]"])
+    assert "stop string split across two rounds" in msg
 
 
 def test_warm_start_target_needs_the_megatron_loop_and_held_out_prompts():

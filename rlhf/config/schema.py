@@ -82,8 +82,15 @@ class RolloutConfig(SamplingConfig, EngineOptions, SyncOptions, AgentOptions):
     # call splits its prompts across them, a prompt's n samples on one engine; every sync feeds every engine
     num_engines: int = 1
     # sync: generate, then train, then sync; one_step_off: the next step's generation runs (on the weights
-    # before this step's update) while this step trains, so each batch is one policy version old
+    # before this step's update) while this step trains, so each batch is one policy version old; async: the
+    # engines keep filling a buffer between steps (rlhf/rollout_buffer.py) and a step takes the oldest complete
+    # groups, each token tagged with the policy version that produced it
     mode: str = "sync"
+    # async: a group whose oldest token is more than this many weight syncs old is dropped (counted)
+    max_staleness: int = 1
+    # async: partial rollouts, at most this many new tokens per sample in a round; an unfinished sample
+    # continues in the next round on the new weights (0: a round generates whole responses)
+    partial_tokens: int = 0
     # policy: engine i shares placement-group bundle i with policy rank i (one pool; on GPU the same device),
     # and sleeps (frees its KV cache and weights) while the policy trains, waking before the sync. On CPU
     # sleep and wake are no-ops, but the placement and the calls are the same. null: a pool of their own.

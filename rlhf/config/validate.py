@@ -38,7 +38,7 @@ LM_STAGES = ("sft", "pretrain", "dpo", "rm")  # algorithm names trained by the L
 PAIR_STAGES = ("dpo", "rm")  # ... on preference pairs (rlhf.driver.pairs)
 DPO_REFERENCES = ("precompute", "group")  # algorithm.dpo.reference
 OVERLONG_PROMPTS = ("drop", "fail")  # data.overlong_prompts (rlhf.data.prompts.PromptLimit.mode)
-ROLLOUT_MODES = ("sync", "one_step_off")  # rollout.mode (rlhf.workflow.RolloutHandle.take / prefetch)
+ROLLOUT_MODES = ("sync", "one_step_off", "async")  # rollout.mode (rlhf.workflow.RolloutHandle.take / prefetch)
 
 
 @dataclass(frozen=True)
@@ -380,6 +380,7 @@ def _check_pipeline(cfg: RunConfig) -> None:
         if r.mode != "sync":
             raise ConfigError(f"rollout.colocate_with=policy: the engines sleep while the policy trains, so they "
                               f"cannot generate the next step meanwhile; use rollout.mode=sync (got {r.mode})")
+    _check_async(cfg)
     _choice(a.off_policy_correction, "algorithm.off_policy_correction", IS_CORRECTIONS)
     if a.off_policy_correction != "none" and a.old_logprobs != "recompute":
         raise ConfigError(f"algorithm.off_policy_correction={a.off_policy_correction} compares the policy's "
@@ -388,6 +389,33 @@ def _check_pipeline(cfg: RunConfig) -> None:
     _require(a.is_cap >= 1, "algorithm.is_cap", "a weight cap >= 1", a.is_cap)
     _require(0 < a.is_low <= 1 <= a.is_high, "algorithm.is_low / is_high",
              "a band 0 < is_low <= 1 <= is_high of kept ratios", [a.is_low, a.is_high])
+
+
+def _check_async(cfg: RunConfig) -> None:
+    """rollout.max_staleness and rollout.partial_tokens, and what the async buffer cannot carry."""
+    r = cfg.rollout
+    _require(r.max_staleness >= 1, "rollout.max_staleness", "an integer >= 1 (a round generated during the "
+             "step's training is one sync old when the next step takes it)", r.max_staleness)
+    _require(r.partial_tokens >= 0, "rollout.partial_tokens", "an integer >= 0 (0: whole responses)",
+             r.partial_tokens)
+    if r.partial_tokens and r.mode != "async":
+        raise ConfigError(f"rollout.partial_tokens={r.partial_tokens}: partial rollouts continue across weight "
+                          f"syncs, which only rollout.mode=async does (got {r.mode})")
+    if r.partial_tokens and r.max_tokens % r.partial_tokens:
+        raise ConfigError(f"rollout.partial_tokens={r.partial_tokens} must divide rollout.max_tokens={r.max_tokens} "
+                          f"(every round gives an unfinished sample partial_tokens more; {r.max_tokens} % "
+                          f"{r.partial_tokens} = {r.max_tokens % r.partial_tokens})")
+    if r.mode != "async":
+        return
+    if r.tools or r.env:
+        raise ConfigError("rollout.mode=async: multi-turn rollouts (rollout.tools / rollout.env) run whole "
+                          "trajectories per call; use rollout.mode=sync or one_step_off")
+    if cfg.policy.moe.routing_replay:
+        raise ConfigError("rollout.mode=async: policy.moe.routing_replay needs each sample's recorded routing, "
+                          "which the buffer does not carry across rounds; use rollout.mode=sync or one_step_off")
+    if r.partial_tokens and r.stop:
+        raise ConfigError(f"rollout.partial_tokens={r.partial_tokens} with rollout.stop: a stop string split "
+                          "across two rounds would be missed; use stop_token_ids or partial_tokens=0")
 
 
 def _check_routing_replay(cfg: RunConfig) -> None:

@@ -31,9 +31,10 @@ def generate_and_score(roles: Roles, ctx: StepContext) -> Batch:
     """Sample n responses per prompt and score them; with dynamic sampling, refill dropped groups."""
     cfg = ctx.cfg
     with ctx.phase("generate"):
-        batch = roles.rollout.take(ctx.prompts, seed=ctx.sample_seed())
+        batch = roles.rollout.take(ctx.prompts, draw=ctx.next_prompts, seed=ctx.sample_seed())
         if ctx.upcoming is not None:  # one step off: the next step's samples, on the weights before this update
             roles.rollout.prefetch(ctx.upcoming, seed=ctx.next_step_seed())
+    ctx.metrics.update(roles.rollout.pop_metrics())  # async: the buffer's stale drops and partial samples
     lag = [roles.rollout.version - v for v in batch["policy_version"]]
     ctx.metrics["rollout/version_lag_mean"] = sum(lag) / max(len(lag), 1)
     ctx.metrics["rollout/version_lag_max"] = float(max(lag, default=0))

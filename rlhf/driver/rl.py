@@ -136,6 +136,8 @@ def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
             skipped_in_a_row = int(state.get("consecutive_nonfinite", 0))
             print(f"resumed from {resume_from} at step {start}", flush=True)
         roles.rollout.sync_weights(roles.policy, verify=cfg.rollout.verify_first_sync)
+        if resume_from is not None:  # the version count and (async) the buffer's samples
+            roles.rollout.load_state_dict(state.get("rollout", {}))
         logger = run.metrics_logger(start)
         if val and start == 0:
             logger.log(0, {**validate(roles, val), **roles.reward.pop_metrics()})
@@ -155,7 +157,8 @@ def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
 
         def save(step: int) -> None:
             state = {"loader": loader_state or loader.state_dict(), "kl_ctrl": kl_ctrl.state_dict(),
-                     "rng": rng_state(), "consecutive_nonfinite": nonfinite.count}
+                     "rng": rng_state(), "consecutive_nonfinite": nonfinite.count,
+                     "rollout": roles.rollout.state_dict()}
             run.ckpt.save(step, state, write_roles)
 
         run.stop_point(start, None)  # a signal while the roles started: nothing new to save

@@ -23,7 +23,9 @@ F-wide product), MoE (top-k copies of each token through the experts), MLA and d
 Flash attention, like selective recompute, keeps no s^2 scores (only fp32 log-sum-exp). Pipeline (section
 4.2.2): with 1F1B the first stage holds PP micro-batches in flight, so it stores the activations of L layers
 in all, times (1 + (p-1)/(p v)) with v interleaved chunks. Full recompute keeps each layer's input only,
-plus one layer's full activations while it is recomputed.
+plus one layer's full activations while it is recomputed. Context parallelism divides the tokens of a rank
+by cp; the plan assumes ring attention (Transformer Engine's kernels), while the engine's own CP attention
+(`cp_gathered_kv`, what runs today) also keeps the gathered K / V and the scores over the whole sequence.
 """
 
 from __future__ import annotations
@@ -184,6 +186,10 @@ class ActOptions:
     norm_bytes: float = 0.0  # bytes a norm keeps per input element (0: elem; torch's CPU RMSNorm keeps 2 fp32)
     softmax_extra: int = 0  # bytes per score beyond elem (4: a 16-bit model's fp32 softmax output)
     fused_swiglu: bool = True  # False: SiLU's output is kept too (F more per token)
+    # With cp > 1: the engine's own CP attention (all-gathered K/V into megatron's unfused attention, on CPU and
+    # GPU alike) instead of Transformer Engine's ring kernels: a rank keeps the whole sequence's K / V and
+    # scores its queries against all s x cp keys.
+    cp_gathered_kv: bool = False
 
 
 def layer_activation_per_token(m: ModelSpec, layer: int, lay: Layout, s: float, opt: ActOptions) -> float:
@@ -200,9 +206,13 @@ def layer_activation_per_token(m: ModelSpec, layer: int, lay: Layout, s: float, 
     else:
         split = e * (m.heads + 2 * m.kv_heads) * m.head_dim + e * m.heads * m.head_dim  # Q, K, V, proj input
     heads = m.heads
-    if lay.recompute == "none" and not opt.flash_attention:
-        split += heads * s * (e + opt.softmax_extra + mask + (e if opt.dropout else 0))  # softmax (+ dropout)
-    elif opt.flash_attention:
+    keys, flash = s, opt.flash_attention
+    if opt.cp_gathered_kv and lay.cp > 1 and not m.mla:  # unfused scores over every key
+        keys, flash = s * lay.cp, False
+        split += e * 2 * m.kv_heads * m.head_dim * (lay.cp - 1)  # the other ranks' K / V, gathered and kept
+    if lay.recompute == "none" and not flash:
+        split += heads * keys * (e + opt.softmax_extra + mask + (e if opt.dropout else 0))  # softmax (+ dropout)
+    elif flash:
         split += 4 * heads  # flash attention's fp32 log-sum-exp (selective recompute without it: nothing)
     own = 0.0  # already per rank: the routed experts' hidden activations, split by expert-TP
     if m.is_moe_layer(layer):

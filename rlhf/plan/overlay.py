@@ -9,7 +9,7 @@ import yaml
 
 from rlhf.paths import staged_output_file
 from rlhf.plan.hardware import GIB
-from rlhf.plan.search import Plan, Request
+from rlhf.plan.search import Plan, Request, cp_gathered_extra
 from workers.files import file_errors
 
 TRAINED = ("policy", "critic")
@@ -54,6 +54,9 @@ def write_overlay(path: str | Path, plan: Plan, req: Request) -> Path:
     ]
     if plan.missing:
         header.append("not yet configurable, so NOT in this overlay: " + ", ".join(plan.missing))
+    if lay.cp > 1:
+        header.append(f"cp={lay.cp}: the estimate assumes ring attention; the engine's all-gather CP attention "
+                      f"keeps ~{cp_gathered_extra(req, plan.layout) / GIB:.1f} GiB more per GPU (gathered K/V, scores)")
     text = "".join(f"# {line}\n" for line in header) + yaml.safe_dump(overlay_dict(plan, req), sort_keys=False)
     p = Path(path)
     with file_errors(p.parent, "create the folder"):

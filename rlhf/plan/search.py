@@ -85,6 +85,18 @@ def missing_levers(m: ModelSpec, lay: Layout) -> list[str]:
     return out
 
 
+def cp_gathered_extra(req: Request, lay: Layout) -> float:
+    """Activation bytes per GPU that the engine's all-gather context-parallel attention keeps beyond the ring
+    attention the estimate assumes (the other ranks' K / V, unfused scores over the whole sequence); 0 at
+    cp=1. Context parallelism runs at pp=1, where one micro-batch is in flight."""
+    if lay.cp == 1:
+        return 0.0
+    ring = ActOptions(elem=req.param_bytes, flash_attention=req.flash_attention)
+    gathered = ActOptions(elem=req.param_bytes, flash_attention=req.flash_attention, cp_gathered_kv=True)
+    return (stage_activation_bytes(req.model, lay, req.seq, 1, 0, gathered)
+            - stage_activation_bytes(req.model, lay, req.seq, 1, 0, ring))
+
+
 def _pow2_upto(n: int) -> list[int]:
     out, v = [], 1
     while v <= n:
@@ -161,7 +173,11 @@ class Planner:
                 best, best_pc = b, pc
         assert best is not None
         t = step_time(m, lay, req.gpu, req.gpus_per_node, req.seq, req.global_batch, best_pc, req.param_bytes)
-        return Plan(lay, best, t, best.total <= req.usable, missing_levers(m, lay))
+        missing = missing_levers(m, lay)
+        if lay.cp > 1 and not missing and best.total + cp_gathered_extra(req, lay) > req.usable:
+            missing.append(f"ring attention for cp={lay.cp} (the engine's all-gather CP attention keeps "
+                           f"{cp_gathered_extra(req, lay) / GIB:.1f} GiB more per GPU)")
+        return Plan(lay, best, t, best.total <= req.usable, missing)
 
     def layouts(self, offload: bool) -> list[Layout]:
         req, m = self.req, self.m

@@ -208,6 +208,38 @@ def test_grpo_one_step_off_on_two_engines_and_resume(tmp_path):
     assert [(row["step"], row["rollout/version_lag_max"]) for row in rows] == [(4, 0.0), (5, 1.0)]
 
 
+def test_grpo_async_partial_rollouts_and_resume(tmp_path):
+    """rollout.mode=async with partial rollouts of 2 tokens a round (max_tokens 8): the engines generate a
+    round while the policy trains, unfinished samples continue on the new weights (some responses span two
+    versions), no batch is more than max_staleness=1 sync old, and the truncated-IS correction runs. A resumed
+    run restores the buffer with the checkpoint: its first step trains on samples the first run generated
+    (version lag 1), where a fresh buffer would give lag 0."""
+    run = tmp_path / "async"
+    (tmp_path / "length_reward.py").write_text("def length(prompt, response, ground_truth):\n"
+                                               "    return float(len(response))\n")
+    args = ["configs/grpo_tiny.yaml", *FAST, "reward.fn=length_reward:length", "reward.num_workers=1",
+            "rollout.temperature=0.7", "rollout.mode=async", "rollout.partial_tokens=2", "rollout.max_staleness=1",
+            "algorithm.old_logprobs=recompute", "algorithm.off_policy_correction=tis", "policy.optim.lr=1e-3",
+            "trainer.save_every=3", f"trainer.output_dir={run}"]
+    r = rlhf("train", *args, "trainer.total_steps=3", path=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    rows = [row for row in metrics(run) if row["step"] > 0]
+    assert rows[0]["rollout/version_lag_max"] == 0.0 and rows[0]["rollout/partial_fraction"] == 0.0
+    for row in rows:
+        assert row["rollout/version_lag_max"] <= 1.0 and row["rollout/stale_dropped"] >= 0, row
+        assert row["batch_size"] == 16, row  # 4 prompts x n=4, whole groups
+    assert max(row["rollout/partial_fraction"] for row in rows[1:]) > 0, rows
+    assert any(row["off_policy/is_ratio_max"] > 1.0 for row in rows[1:]), rows
+    saved = json.loads((run / "checkpoints" / "step-000003" / "driver_state.json").read_text())["rollout"]
+    assert saved["version"] == 4 and saved["buffer"]["samples"], saved.keys()
+    r = rlhf("train", *args, "trainer.total_steps=5", "trainer.resume=auto", path=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    assert "resumed from" in r.stdout
+    rows = [row for row in metrics(run) if row["step"] > 3]
+    assert [row["step"] for row in rows] == [4, 5]
+    assert rows[0]["rollout/version_lag_max"] == 1.0, rows[0]
+
+
 def cli(capsys, *args: str) -> tuple[int, str]:
     """`rlhf ARGS` in this process (the CLI's own main: its exit code and error line, no interpreter start-up;
     an unexpected exception fails the test with its traceback): for bad input that must fail before workers."""

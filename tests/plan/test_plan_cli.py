@@ -121,18 +121,28 @@ def test_optimizer_offload_reaches_the_overlay(tmp_path):
 
 def test_context_parallel_reaches_the_overlay(tmp_path):
     """A dense plan with context parallelism is runnable as configured: its overlay sets policy.parallel.cp
-    (runs: tests/workers/test_context_parallel.py); with an MoE model it is still a missing lever."""
+    (runs: tests/workers/test_context_parallel.py) and says what the engine's all-gather attention keeps beyond
+    the ring attention estimated. Where that extra does not fit, ring attention is a missing lever; with an MoE
+    model cp itself is."""
     from rlhf.plan.hardware import GIB, get_gpu
     from rlhf.plan.model import load_model
     from rlhf.plan.overlay import write_overlay
-    from rlhf.plan.search import Planner, Request, missing_levers
+    from rlhf.plan.search import Planner, Request, cp_gathered_extra, missing_levers
 
-    req = Request(load_model("Llama-3-8B"), get_gpu("H100"), 1, 8, 80 * GIB, 8192, 64, roles=("policy",))
+    req = Request(load_model("Llama-3-8B"), get_gpu("H100"), 1, 8, 80 * GIB, 2048, 64, roles=("policy",))
     planner = Planner(req)
     plan = planner.evaluate(next(p.layout for p in planner.plan() if p.layout.pp == 1).with_(cp=2))
     assert plan.missing == []
     out = write_overlay(tmp_path / "cp.yaml", plan, req)
     cfg = load_config("configs/grpo_tiny.yaml", [], validate=False, overlays=[out])
     assert cfg.policy.parallel.cp == 2
+    extra = next(line for line in out.read_text().splitlines() if line.startswith("# cp=2:"))
+    assert f"~{cp_gathered_extra(req, plan.layout) / GIB:.1f} GiB more per GPU" in extra
+    # at 8192 tokens the gathered K / V and the scores over all keys (s^2 / cp per head) no longer fit
+    long = Request(**{**req.__dict__, "seq": 8192})
+    lay = plan.layout.with_(recompute="none", mbs=1)
+    long_plan = Planner(long).evaluate(lay)
+    assert cp_gathered_extra(long, lay) > 16 * cp_gathered_extra(req, lay) * 0.9
+    assert long_plan.missing and long_plan.missing[0].startswith("ring attention for cp=2")
     moe = load_model("Qwen3-30B-A3B")
     assert missing_levers(moe, plan.layout) == ["context parallel cp=2 with an MoE model"]

@@ -53,6 +53,21 @@ def test_activation_gqa_swiglu_no_dropout_flash():
     assert layer_activation_per_token(m, 0, Layout(), 8192, ActOptions()) == hand
 
 
+def test_context_parallel_activations_ring_and_gathered():
+    # Llama-3-8B at seq 8192, cp 2: a rank sees s = 4096 tokens. Ring attention (the plan's default) keeps the
+    # same per-token bytes as without CP. The engine's all-gather CP attention also keeps the other rank's K
+    # and V (2 * 2 * 1024 bytes per local token) and, unfused, bf16 scores over all 8192 keys (32 heads x 2
+    # bytes) instead of flash's log-sum-exp.
+    m = load_model("Llama-3-8B")
+    ring = layer_activation_per_token(m, 0, Layout(cp=2), 4096, ActOptions())
+    assert ring == layer_activation_per_token(m, 0, Layout(), 8192, ActOptions())
+    gathered = layer_activation_per_token(m, 0, Layout(cp=2), 4096, ActOptions(cp_gathered_kv=True))
+    assert gathered == ring - 4 * 32 + 2 * 2 * 1024 + 32 * 8192 * 2
+    # the stage total divides the tokens by cp
+    assert stage_activation_bytes(m, Layout(cp=2), 8192, 1, 0, ActOptions()) == pytest.approx(
+        stage_activation_bytes(m, Layout(), 8192, 1, 0, ActOptions()) / 2)
+
+
 def test_pipeline_in_flight_and_full_recompute():
     lay = Layout(pp=4)
     assert [in_flight(lay, r, 8) for r in range(4)] == [4, 3, 2, 1]

@@ -1,6 +1,11 @@
-"""Helpers for the worker-group tests: RL batches in the driver's layout and an HF reference."""
+"""Helpers for the worker-group tests: RL batches in the driver's layout, an HF reference and policy groups
+of several layouts on one local Ray."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +27,33 @@ def make_rl_batch(n: int = 8, vocab: int = 500, p_max: int = 6, r_max: int = 5, 
                    "responses": r_ids, "response_mask": r_mask})
     batch["advantages"] = torch.randn(r_ids.shape, generator=g) * r_mask
     return batch
+
+
+def policy_groups(model_path: str, log_root: Any, layouts: dict[str, dict[str, Any]],
+                  init_kwargs: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Start Ray (4 CPUs), yield one PolicyWorker group per layout {name: WorkerGroup kwargs (tp, dp, cp,
+    ...) plus an optional "levers" dict of extra init kwargs}, then shut them and Ray down."""
+    import ray
+
+    from workers.group import WorkerGroup
+    from workers.roles import PolicyWorker
+
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    groups: dict[str, Any] = {}
+    try:
+        for name, layout in layouts.items():
+            layout = dict(layout)
+            levers = layout.pop("levers", {})
+            groups[name] = WorkerGroup(
+                "policy", PolicyWorker, **{"tp": 1, "pp": 1, "dp": 1, **layout}, name=f"policy-{name}",
+                num_cpus_per_worker=0.5, timeout_s=120, log_dir=Path(log_root.mktemp("logs")),
+                init_kwargs={"model_path": model_path, **init_kwargs, **levers},
+            )
+        yield groups
+    finally:
+        for g in groups.values():
+            g.shutdown()
+        ray.shutdown()
 
 
 def hf_logprobs(model_path: str, batch: Batch, temperature: float = 1.0) -> torch.Tensor:

@@ -6,13 +6,11 @@ CP rank 0 returns results."""
 from __future__ import annotations
 
 import pytest
-import ray
 import torch
 
-from tests.workers.conftest import make_rl_batch
-from workers.group import WorkerGroup
+from tests.workers.conftest import make_rl_batch, policy_groups
 from workers.megatron.context_parallel import local_columns, sequence_order
-from workers.roles import PolicyWorker, fetch_state_dict
+from workers.roles import fetch_state_dict
 
 OPTIM = {"lr": 1e-4, "clip_grad": 1.0, "weight_decay": 0.0}
 
@@ -30,20 +28,8 @@ def test_columns_are_load_balanced_and_reassemble():
 @pytest.fixture(scope="module")
 def env(tmp_path_factory, tiny_model_factory):
     path = tiny_model_factory("tiny-qwen2")
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    groups = {}
-    try:
-        for name, cp in (("plain", 1), ("cp2", 2)):
-            groups[name] = WorkerGroup(
-                "policy", PolicyWorker, tp=1, pp=1, dp=1, cp=cp, name=f"policy-{name}", num_cpus_per_worker=0.5,
-                timeout_s=120, log_dir=tmp_path_factory.mktemp("logs"),
-                init_kwargs={"model_path": path, "micro_batch_size": 4, "optim": OPTIM},
-            )
-        yield groups
-    finally:
-        for g in groups.values():
-            g.shutdown()
-        ray.shutdown()
+    yield from policy_groups(path, tmp_path_factory, {"plain": {"cp": 1}, "cp2": {"cp": 2}},
+                             {"micro_batch_size": 4, "optim": OPTIM})
 
 
 def test_cp2_gives_the_same_logprobs_and_update(env):

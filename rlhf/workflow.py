@@ -291,11 +291,24 @@ def _rollout_handle(cfg: RunConfig, run_dir: Path, temp: float, pool: Any = None
     handle = RolloutHandle(group, sampling, build(SyncConfig, r, timeout_s=cfg.trainer.timeout_s), agent,
                            colocated=pool is not None)
     if r.mode == "async":
-        def start(prompts: list[dict[str, Any]] | Batch, params: Any) -> Any:
-            return group.start_generate(prompts if isinstance(prompts, Batch) else prompt_batch(prompts), params)
-
-        handle.buffer = AsyncRollout(start, sampling, r.partial_tokens, r.max_staleness)
+        handle.buffer = AsyncRollout(group.start_generate, prompt_encoder(cfg.model.tokenizer_path or cfg.model.path),
+                                     sampling, r.partial_tokens, r.max_staleness)
     return handle
+
+
+def prompt_encoder(tokenizer_path: str) -> Any:
+    """`encode(records)`: prompt records' token ids and texts exactly as the engines make them (the chat
+    template for `messages`; `workers.rollout.prompts.normalise`), for the async buffer's first rounds."""
+    from rlhf.data.tokenizer import load_tokenizer
+    from workers.rollout.prompts import normalise
+
+    tokenizer = load_tokenizer(tokenizer_path)
+
+    def encode(records: list[dict[str, Any]]) -> tuple[list[list[int]], list[str]]:
+        p = normalise(prompt_batch(records), tokenizer)
+        return p.ids, p.text
+
+    return encode
 
 
 def colocated_pool(cfg: RunConfig) -> Any:

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from rlhf.rollout_buffer import AsyncRollout
-from rlhf.workflow import prompt_batch
-from workers.batch import Batch
+from rlhf.workflow import prompt_batch, prompt_encoder
 from workers.rollout import EngineConfig, RolloutGroup, SamplingConfig
 
 WORDS = ["hello world", "the cat", "one two three", "what is 2+3", "a b c", "good morning", "x y", "tea"]
@@ -25,19 +24,21 @@ def records(lo: int, hi: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def group(tiny_model_factory):
-    g = RolloutGroup(EngineConfig(model_path=tiny_model_factory("tiny-qwen2"), kv_cache_gb=0.1), in_process=True)
+    path = tiny_model_factory("tiny-qwen2")
+    g = RolloutGroup(EngineConfig(model_path=path, kv_cache_gb=0.1), in_process=True)
+    g.encode = prompt_encoder(path)
     yield g
     g.shutdown()
 
 
-def start_fn(group):
-    return lambda prompts, sp: group.start_generate(prompts if isinstance(prompts, Batch) else prompt_batch(prompts), sp)
+def buffer(group, sampling: SamplingConfig, **kw) -> AsyncRollout:
+    return AsyncRollout(group.start_generate, group.encode, sampling, partial_tokens=2, max_staleness=1, **kw)
 
 
 def unaccounted(buf: AsyncRollout) -> int:
     """Prompts the buffer received, minus the groups taken, dropped, under way or queued (in flight or not):
     0 when none is lost or counted twice."""
-    under_way = len({s.group for s in buf.samples}) + len(buf.fresh) + sum(f for *_, f in buf.in_flight)
+    under_way = len({s.group for s in buf.samples}) + len(buf.fresh)
     return buf.counts["received"] - buf.counts["taken"] - buf.counts["stale_dropped"] - under_way
 
 
@@ -56,7 +57,7 @@ def test_partial_rounds_equal_one_call_and_tag_versions(group):
         return records(lo, lo + 4)
 
     # one background round between a take and the next collect, so the sync below falls between two rounds
-    buf = AsyncRollout(start_fn(group), sampling, partial_tokens=2, max_staleness=1, background_rounds=1)
+    buf = buffer(group, sampling, background_rounds=1)
     batch, metrics = buf.take(records(0, 4), draw, version=0)
     assert len(batch) == 8 and batch["group_id"] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert batch["ground_truth"] == ["0", "0", "1", "1", "2", "2", "3", "3"]
@@ -94,7 +95,7 @@ def test_partial_rounds_equal_one_call_and_tag_versions(group):
     # a checkpoint of the buffer (JSON) restores it: the copy's next take equals the original's
     state = json.loads(json.dumps(buf.state_dict(1)))
     assert unaccounted(buf) == 0 and buf.counts["taken"] == 8
-    copy = AsyncRollout(start_fn(group), sampling, partial_tokens=2, max_staleness=1, background_rounds=1)
+    copy = buffer(group, sampling, background_rounds=1)
     copy.load_state_dict(state)
     assert copy.next_group == buf.next_group and copy.counts == buf.counts
 
@@ -115,7 +116,7 @@ def test_background_rounds_run_until_nothing_is_left(group):
     """Uncapped, the background thread finishes every sample under way while the driver waits elsewhere:
     the next take needs no round of its own."""
     sampling = SamplingConfig(n=2, temperature=0.0, max_tokens=8, seed=0)
-    buf = AsyncRollout(start_fn(group), sampling, partial_tokens=2, max_staleness=1)
+    buf = buffer(group, sampling)
     buf.take(records(0, 4), lambda: records(4, 8), version=0)
     buf._thread.join(timeout=120)  # what a train step's time gives it
     rounds = buf.counts["rounds"]

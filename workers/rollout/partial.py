@@ -3,8 +3,9 @@
 A `Sample` is one response in progress: its prompt's token ids, the tokens generated so far with their
 sampled log-probs, and for each token the policy version (weight syncs so far) of the engine that produced
 it. `continuation_batch` turns unfinished samples into a generate call's prompts (prompt + response so far,
-as `prompt_ids`, one sample each), `extend` appends a round's tokens, and `assemble` lays finished samples
-out as the Batch a generate call gives (`RolloutWorker.generate`), plus `token_versions` [B, R].
+as `prompt_ids`, one sample each; a fresh sample is its prompt alone), `extend` appends a round's tokens, and
+`assemble` lays finished samples out as the Batch a generate call gives (`RolloutWorker.generate`), plus
+`token_versions` [B, R].
 """
 
 from __future__ import annotations
@@ -16,9 +17,6 @@ import torch
 
 from workers.batch import Batch, pad_sequences
 
-# meta written per round by the engine, rebuilt by `assemble` (not carried from the first round)
-ROUND_META = ("response_text", "finish_reason", "group_id", "policy_version")
-
 
 @dataclass
 class Sample:
@@ -26,7 +24,7 @@ class Sample:
 
     group: int
     prompt_ids: list[int]
-    meta: dict[str, Any]  # the first round's per-row meta (prompt text, ground_truth, ...)
+    meta: dict[str, Any]  # its prompt record's fields (ground_truth, ...) and `prompt`, the templated text
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -51,20 +49,11 @@ class Sample:
         return cls(**d)
 
 
-def _row(batch: Batch, i: int) -> tuple[list[int], list[float], list[int]]:
-    """Row i's response tokens and log-probs (its response-mask positions), and its prompt's token ids."""
-    mask = batch["response_mask"][i].bool()
-    tokens = batch["responses"][i][mask].tolist()
-    logprobs = batch["rollout_logprobs"][i][mask].tolist()
-    width_p = batch["input_ids"].shape[1] - batch["responses"].shape[1]
-    prompt = batch["input_ids"][i, :width_p][batch["attention_mask"][i, :width_p].bool()].tolist()
-    return tokens, logprobs, prompt
-
-
 def extend(sample: Sample, batch: Batch, i: int, version: int, max_tokens: int) -> None:
     """Append row i of a round's output (generated at `version`); finished on a stop (EOS, a stop token) or
     when the response reaches `max_tokens`."""
-    tokens, logprobs, _ = _row(batch, i)
+    mask = batch["response_mask"][i].bool()
+    tokens, logprobs = batch["responses"][i][mask].tolist(), batch["rollout_logprobs"][i][mask].tolist()
     sample.tokens += tokens
     sample.logprobs += logprobs
     sample.versions += [version] * len(tokens)
@@ -74,29 +63,17 @@ def extend(sample: Sample, batch: Batch, i: int, version: int, max_tokens: int) 
         sample.finish_reason = reason
 
 
-def new_samples(batch: Batch, first_group: int, version: int, max_tokens: int) -> list[Sample]:
-    """The samples of a first round (fresh prompts, n rows each, contiguous by `group_id`): group ids
-    numbered from `first_group` in prompt order."""
-    out = []
-    for i in range(len(batch)):
-        _, _, prompt = _row(batch, i)
-        meta = {k: v[i] for k, v in batch.meta.items() if k not in ROUND_META}
-        s = Sample(first_group + int(batch["group_id"][i]), prompt, meta, started=version)
-        extend(s, batch, i, version, max_tokens)
-        out.append(s)
-    return out
-
-
 def continuation_batch(samples: list[Sample]) -> Batch:
     """A generate call's prompts for unfinished samples: prompt + the response so far, one sample each."""
-    return Batch(meta={"prompt_ids": [s.prompt_ids + s.tokens for s in samples]})
+    return Batch(meta={"prompt_ids": [s.prompt_ids + s.tokens for s in samples],
+                       "prompt": [s.meta.get("prompt", "") for s in samples]})
 
 
 def assemble(samples: list[Sample]) -> Batch:
     """Finished samples (a group's rows contiguous) as a generate Batch: prompts left-padded to P, responses
     right-padded to R (padding 0), `rollout_logprobs`, `token_versions` (0 on padding), meta `group_id`
     (renumbered from 0), `response_text`, `finish_reason`, `policy_version` (the oldest token's version)
-    and the first round's other meta (prompt, ground_truth, ...)."""
+    and the samples' record fields (prompt, ground_truth, ...)."""
     prompts, p_mask = pad_sequences([s.prompt_ids for s in samples], left=True)
     responses, r_mask = pad_sequences([s.tokens for s in samples])
     logprobs, _ = pad_sequences([torch.tensor(s.logprobs, dtype=torch.float32) for s in samples], dtype=torch.float32)

@@ -345,3 +345,18 @@ def test_concat_rollouts_keeps_every_response_where_the_trainer_looks_for_it():
     assert out["rollout_logprobs"][0].tolist() == [-1, -1, -1] and out["rollout_logprobs"][2].tolist() == [-1, 0, 0]
     assert out["scores"].tolist() == [1, 1, 1] and out["group_id"] == [0, 1, 0]
     assert concat_rollouts([a]) is a and len(concat_rollouts([a, b.index(slice(0, 0))])) == 2
+
+
+def test_prompts_spread_by_tokens_in_flight():
+    from workers.rollout.group import prompt_cost, split_by_load
+
+    assert split_by_load([1.0] * 4, [0.0, 0.0]) == [0, 2, 4]  # idle engines: the even split
+    assert split_by_load([1.0] * 3, [1.0, 0.0]) == [0, 1, 3]  # engine 0 busy: engine 1 takes more
+    assert split_by_load([1.0] * 2, [10.0, 0.0]) == [0, 0, 2]  # far busier: nothing for it
+    assert split_by_load([5.0, 1.0], [0.0, 0.0]) == [0, 1, 2]  # one long prompt: still one each
+    assert split_by_load([1.0] * 6, [0.0, 0.0, 0.0]) == [0, 2, 4, 6]
+    sp = SamplingConfig(n=4, max_tokens=8)
+    b = Batch(meta={"prompt_ids": [[1, 2, 3], [4]]})
+    assert [prompt_cost(b, i, sp) for i in range(2)] == [3 + 32, 1 + 32]
+    chat = Batch(meta={"messages": [[{"role": "user", "content": "x" * 40}]]})
+    assert prompt_cost(chat, 0, sp) == 40 // 4 + 1 + 32

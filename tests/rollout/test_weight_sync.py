@@ -147,6 +147,14 @@ def test_two_engines_are_each_synced_and_decode_as_one_engine(env, tmp_path):
             stale = compare_logprobs(policy, two, seqs)
             assert stale > 1e-2
             assert two.sync_weights(policy, cfg, verify=True)["sync/verify_max_abs_diff"] <= 1e-3
+        # spread by load: with one prompt still in flight on engine 0, a call of 3 gives engine 1 two of them
+        first = two.start_generate(PROMPTS[:1], greedy)
+        second = two.start_generate(PROMPTS[1:], greedy)
+        assert first.ranks == [0] and second.ranks == [0, 1] and second.starts == [0, 1]
+        c = second.result()
+        assert c["group_id"] == [0, 0, 1, 1, 2, 2] and c["response_text"] == a["response_text"][2:]
+        first.result()
+        assert two.in_flight == [0.0, 0.0]
         ray.kill(two.engines[1], no_restart=True)
         t0 = time.monotonic()
         with pytest.raises(RolloutDiedError, match=r"role 'rollout' rank 1 .*the actor died"):

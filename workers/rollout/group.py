@@ -46,9 +46,42 @@ class RolloutTimeoutError(RolloutError, WorkerTimeoutError):
     """A rollout engine call did not finish within its timeout."""
 
 
+def prompt_cost(batch: Batch, i: int, sp: SamplingConfig) -> float:
+    """Tokens prompt i of a generate call may put in flight: its length (token ids, or about 4 characters a
+    token of text or chat messages) plus n x max_tokens to generate."""
+    meta = batch.meta
+    if "prompt_ids" in meta:
+        length = len(meta["prompt_ids"][i])
+    else:
+        x = (meta.get("messages") or meta.get("prompt") or [""] * len(batch))[i]
+        text = x if isinstance(x, str) else " ".join(str(m.get("content", "")) for m in x)
+        length = len(text) // 4 + 1
+    return float(length + sp.n * sp.max_tokens)
+
+
+def split_by_load(costs: list[float], loads: list[float]) -> list[int]:
+    """Bounds (len(loads) + 1 of them) of a contiguous split of prompts with `costs` over engines with
+    `loads` tokens already in flight, filling the least loaded up to the level every engine would reach:
+    an engine takes prompts while its load plus theirs stays under that level (at least one prompt if it
+    is under it). Equal loads and costs give the even split."""
+    engines, n = len(loads), len(costs)
+    level = (sum(loads) + sum(costs)) / engines
+    bounds, at = [0], 0
+    for e in range(engines - 1):
+        load = loads[e]
+        while at < n and (load + costs[at] <= level + 1e-9 or (load < level and at == bounds[-1])):
+            load += costs[at]
+            at += 1
+        bounds.append(at)
+    bounds.append(n)
+    return bounds
+
+
 class RolloutGroup:
-    """`num_engines` RolloutWorkers. Prompts are split across engines (contiguously) and results are
-    concatenated in order, so the output is the same Batch one engine would give.
+    """`num_engines` RolloutWorkers. Prompts are split across engines contiguously by load: each engine's
+    share fills it up to an equal level of tokens in flight (`split_by_load`; a prompt's n samples stay on one
+    engine, where its prefix is cached), and results are concatenated in order, so the output is the same
+    Batch one engine would give.
 
     `in_process=True` keeps a single engine in this process (tests, `rlhf generate`); otherwise each
     engine is a Ray actor with the config's `num_cpus` / `num_gpus`, named `<name>/<rank>` (e.g.
@@ -73,6 +106,7 @@ class RolloutGroup:
         self._endpoint: tuple[str, int] | None = None
         self._syncers: dict[int, Any] = {}
         self.pool, self._reserved = resource_pool, 0
+        self.in_flight = [0.0] * num_engines  # tokens of the generate calls started and not yet collected
         try:
             if in_process:
                 self.engines = [RolloutWorker(self.cfg, 0, name=self.names[0])]
@@ -169,8 +203,9 @@ class RolloutGroup:
         batch = as_batch(prompts)
         method, extra = ("generate_agent", (agent,)) if agent else ("generate", ())
         n = len(batch)
-        bounds = [round(i * n / self.num_engines) for i in range(self.num_engines + 1)]
-        calls, starts, ranks = [], [], []
+        costs = [prompt_cost(batch, i, sp) for i in range(n)]
+        bounds = split_by_load(costs, self.in_flight) if self.num_engines > 1 else [0, n]
+        calls, starts, ranks, tokens = [], [], [], []
         for i in range(self.num_engines):
             lo, hi = bounds[i], bounds[i + 1]
             if hi > lo or (n == 0 and i == 0):
@@ -179,7 +214,9 @@ class RolloutGroup:
                 calls.append(self._submit(i, method, part, sp.with_(seed=seed) if lo else sp, *extra))
                 starts.append(lo)
                 ranks.append(i)
-        return PendingGenerate(self, method, calls, starts, ranks)
+                tokens.append(sum(costs[lo:hi]))
+                self.in_flight[i] += tokens[-1]
+        return PendingGenerate(self, method, calls, starts, ranks, tokens)
 
     def score_all(self, sequences: list[list[int]]) -> list[list[list[float]]]:
         """Every engine's logprobs of `sequences` (tokens after the first)."""
@@ -260,14 +297,20 @@ class PendingGenerate:
     """A generate call in flight on the engines (`RolloutGroup.start_generate`)."""
 
     def __init__(self, group: RolloutGroup, method: str, calls: list[Any], starts: list[int],
-                 ranks: list[int]) -> None:
+                 ranks: list[int], tokens: list[float] | None = None) -> None:
         self.group, self.method, self.calls, self.starts, self.ranks = group, method, calls, starts, ranks
+        self.tokens = tokens or [0.0] * len(ranks)  # each call's share of the group's tokens in flight
         self._out: Batch | None = None
 
     def result(self) -> Batch:
         """The samples, as one engine would give them (waits on first call; later calls return the same)."""
         if self._out is None:
-            parts = self.group._wait(self.calls, self.ranks, self.method)
+            try:
+                parts = self.group._wait(self.calls, self.ranks, self.method)
+            finally:  # collected (or failed): no longer in flight
+                for rank, t in zip(self.ranks, self.tokens):
+                    self.group.in_flight[rank] -= t
+                self.tokens = [0.0] * len(self.ranks)
             if len(parts) == 1:
                 self._out = parts[0]
             else:

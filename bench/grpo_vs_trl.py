@@ -18,7 +18,7 @@ small-scale overrides below), so TRL follows the config.
   the first step, in --rounds (2) alternating TRL/ours rounds; the figure is the median of the per-round
   ratios. Prints `RATIO step_time_vs_trl_small <ours/theirs>` (target <= 0.8).
 
-Usage: python bench/grpo_vs_trl.py [--quick] [--scale tiny|small|both] [--budget SECONDS] ...
+Usage: python bench/grpo_vs_trl.py [--quick] [--scale tiny|small|both] [--budget SECONDS] [--mode sync|one_step_off] ...
 The runs go under runs/bench/grpo_vs_trl/ (logs next to each run dir).
 """
 
@@ -34,6 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import _common as C
 
 CONFIG = "configs/grpo_tiny.yaml"
+# our pipeline modes at the small scale (TRL's trainer has none: it generates, then trains)
+OUR_MODES = {
+    "sync": [],
+    "one_step_off": ["rollout.mode=one_step_off", "algorithm.old_logprobs=recompute",
+                     "algorithm.off_policy_correction=tis", "rollout.num_threads=1", "policy.resources.num_threads=2"],
+}
 OUT = C.WORK / "grpo_vs_trl"
 # The warm start both sides share is the config's model.warm_start_steps (SFT, cached per step count).
 # It must leave room to improve and enough reward signal: measured here (batch 128, lr 1e-3) 100 steps give
@@ -153,11 +159,12 @@ def small(args) -> float:
         f"rollout.dtype={args.small_rollout_dtype}", "rollout.kv_cache_gb=1",
         f"policy.micro_batch_size={micro}", "reward.fn=bench._common:digit_fraction",
         f"trainer.total_steps={steps}", "trainer.val_every=0", "data.val_file=null", "data.val_size=0",
-    ]
+    ] + OUR_MODES[args.mode]
     cfg = _cfg(overrides)
     _check_same(cfg)
     print(f"small: {C.param_count(model):,} parameters, {pps} prompts x {n} samples x 128 max tokens, "
-          f"{steps} steps per side (median over steps 2..{steps}), our rollout dtype {args.small_rollout_dtype}",
+          f"{steps} steps per side (median over steps 2..{steps}), our rollout dtype {args.small_rollout_dtype}, "
+          f"our rollout.mode {args.mode}",
           flush=True)
     rows, ratios = [], []
     for rnd in range(1, args.rounds + 1):
@@ -206,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="small: alternating TRL/ours rounds; the figure is the "
                    "median of the per-round ratios (the load on a shared machine drifts between runs)")
     p.add_argument("--small-rollout-dtype", default="float32", help="small: our vLLM dtype (TRL generates in fp32)")
+    p.add_argument("--mode", choices=sorted(OUR_MODES), default="sync",
+                   help="small: our rollout.mode (one_step_off: generation on 1 thread beside the trainer on 2, "
+                        "old log-probs recomputed, truncated-IS correction)")
     args = p.parse_args(argv)
     args.budget = args.budget or (150.0 if args.quick else 600.0)
     args.figures = []

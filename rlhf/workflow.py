@@ -321,7 +321,7 @@ def colocated_pool(cfg: RunConfig) -> Any:
 
     par, res, r = cfg.policy.parallel, cfg.policy.resources, cfg.rollout
     return ResourcePool("colocated", par.tp * par.cp * par.pp * par.dp, res.num_cpus_per_worker + r.num_cpus,
-                        res.num_gpus_per_worker, timeout_s=min(cfg.trainer.timeout_s, 60.0))
+                        res.num_gpus_per_worker, placement=res.placement, timeout_s=min(cfg.trainer.timeout_s, 60.0))
 
 
 def _shut_down_after_start(started: Future) -> None:

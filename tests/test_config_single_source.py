@@ -33,7 +33,7 @@ WORKER_CONFIGS: dict[type, tuple[type, set[str]]] = {
     SamplingConfig: (RolloutConfig, set()),
     EngineOptions: (RolloutConfig, set()),
     EngineConfig: (RolloutConfig, {"model_path", "tokenizer_path", "max_model_len", "enable_chunked_prefill",
-                                   "enable_prefix_caching", "num_gpus", "logprobs_mode", "gpu_memory_utilization",
+                                   "enable_prefix_caching", "logprobs_mode", "gpu_memory_utilization",
                                    "enable_sleep_mode", "enforce_eager", "work_dir", "max_lora_rank", "extra",
                                    "return_routed_experts"}),  # derived: an MoE policy that replays or logs mismatch
     SyncOptions: (RolloutConfig, set()),

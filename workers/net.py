@@ -22,11 +22,6 @@ LOOPBACK = "127.0.0.1"
 _ENV_KEYS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
-def is_loopback(host: str) -> bool:
-    host = host.removeprefix("::ffff:")
-    return host.startswith("127.") or host in ("::1", "localhost")
-
-
 def node_address() -> str:
     """The address this process's run listens on: this node's Ray address when the Ray cluster spans several
     nodes, else loopback (also without Ray)."""
@@ -34,7 +29,7 @@ def node_address() -> str:
     try:
         if ray is not None and ray.is_initialized():
             ip = ray.util.get_node_ip_address()
-            if ip and not is_loopback(ip) and is_multi_node():
+            if ip and is_multi_node():  # (loopback addresses too: the nodes of a cluster simulated on one machine)
                 return ip
     except Exception:  # noqa: BLE001 - not in a cluster after all: loopback
         pass
@@ -50,8 +45,8 @@ def is_multi_node() -> bool:
 
 def own_address(master_addr: str) -> str:
     """The address this rank listens on in a world that meets at `master_addr`: loopback when that is
-    loopback (one node), else this node's Ray address."""
-    if is_loopback(master_addr):
+    127.0.0.1 (one node), else this node's Ray address."""
+    if master_addr in (LOOPBACK, "localhost", "::1"):
         return LOOPBACK
     import ray
 
@@ -63,7 +58,10 @@ def interface_of(host: str) -> str | None:
     import psutil
 
     ip = socket.gethostbyname(host) if ":" not in host else host
+    loopback = ip.startswith("127.")  # Linux's loopback interface holds the whole 127.0.0.0/8
     for name, addrs in psutil.net_if_addrs().items():
+        if loopback and any(a.address.startswith("127.") for a in addrs if a.family == socket.AF_INET):
+            return name
         if any(a.address.split("%")[0] == ip for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)):
             return name
     return None

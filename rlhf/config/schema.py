@@ -40,6 +40,10 @@ class ResourceConfig:
     # CPU: torch intra-op threads per rank (None: Ray's default, one per whole CPU reserved). Phases of an RL
     # step run one after another, so a colocated role may use more threads than the CPUs it reserves.
     num_threads: int | None = None
+    # how the role's placement group spreads it over nodes: pack | spread | strict_pack | strict_spread (Ray's
+    # strategies). A tensor x context-parallel group always shares one bundle, so it stays inside a node;
+    # spread puts the data-parallel replicas (and pipeline stages) on different nodes where it can
+    placement: str = "pack"
 
 
 @dataclass

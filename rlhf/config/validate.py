@@ -30,6 +30,7 @@ from rlhf.model_config import read_config_json
 from workers.dtypes import DTYPE_NAMES
 from workers.megatron.deepseek_config import latent_size_error
 from workers.megatron.memory_levers import RECOMPUTE
+from workers.placement import PLACEMENTS
 from workers.rollout.config import EngineOptions
 from workers.rollout.sampling import SamplingConfig
 
@@ -137,6 +138,8 @@ def _check_role(name: str, role: RoleConfig, shape: ModelShape | None) -> None:
              role.resources.num_cpus_per_worker)
     threads = role.resources.num_threads
     _require(threads is None or threads >= 1, f"{name}.resources.num_threads", "an integer >= 1 or null", threads)
+    _require(role.resources.placement in PLACEMENTS, f"{name}.resources.placement", f"one of {', '.join(PLACEMENTS)}",
+             role.resources.placement)
     if shape is None:
         return
     src = shape.source

@@ -6,8 +6,9 @@
         ...
     # on success: report.png and summary.txt, and the summary printed
 
-Entering saves the resolved config and checks the trackers before Ray starts (a missing wandb fails
-before any worker exists); leaving closes the metric sinks, shuts down what `own` registered (last
+Entering saves the resolved config, checks the trackers before Ray starts (a missing wandb fails before
+any worker exists) and, in a cluster of several nodes, that every node shares the output dir (shared_dir.py);
+leaving closes the metric sinks, shuts down what `own` registered (last
 first) and Ray when this run started it. The report is written only when the block ended normally.
 """
 
@@ -25,6 +26,7 @@ from rlhf.driver.preempt import StopSignals
 from rlhf.driver.ray_env import EmbeddedRay, init_ray
 from rlhf.driver.report import write_report
 from rlhf.driver.run_dir import drop_rows_after, refuse_unclaimed
+from rlhf.driver.shared_dir import check_shared_run_dir
 from rlhf.errors import Stopped
 
 
@@ -57,6 +59,12 @@ class RunScaffold:
         if latest is not None:  # refused here, before Ray, unless its files match their manifests
             self.ckpt.check_trusted(latest, self.cfg.trainer.trust_checkpoint)
         self._own_ray = init_ray(self.cfg.trainer)
+        try:
+            check_shared_run_dir(self.out, min(self.cfg.trainer.timeout_s, 60.0))  # several nodes: one folder
+        except BaseException:
+            if self._own_ray is not None:
+                self._own_ray.stop()
+            raise
         self.signals.install()  # after ray.init, whose own SIGTERM handler would exit mid-step
         return self
 

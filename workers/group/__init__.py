@@ -11,6 +11,7 @@ _EXPORTS = {  # name -> module, imported on first use (workers/lazy.py)
     "Worker": "workers.group.worker",
     "WorkerContext": "workers.group.worker",
     "WorkerDiedError": "workers.group.errors",
+    "NodeLostError": "workers.group.errors",
     "WorkerGroup": "workers.group.group",
     "WorkerGroupError": "workers.group.errors",
     "WorkerTimeoutError": "workers.group.errors",

@@ -18,6 +18,10 @@ class WorkerDiedError(WorkerGroupError):
     """A rank's actor process died (killed, crashed, out of memory)."""
 
 
+class NodeLostError(WorkerDiedError):
+    """A rank died with its node: the node left the cluster (the message names it and every rank lost)."""
+
+
 class WorkerTimeoutError(WorkerGroupError, TimeoutError):
     """A group call did not finish within its timeout."""
 

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from workers.dispatch import (
     ALL_TO_ALL,
@@ -32,6 +31,7 @@ from workers.dispatch import (
     split_dp_args,
 )
 from workers.group.errors import (
+    NodeLostError,
     WorkerDiedError,
     WorkerGroupError,
     WorkerTimeoutError,
@@ -39,19 +39,23 @@ from workers.group.errors import (
     first_lines,
     refuse_taken_names,
 )
+from workers.group.nodes import node_lost, register, unregister
 from workers.group.pool import ResourcePool
 from workers.group.wait import Failure, is_death, settle, wait_all
 from workers.group.worker import WorkerContext, cp_rank_of, layout_of, tail_file
-from workers.net import LOOPBACK
+from workers.net import LOOPBACK, is_multi_node
 
 log = logging.getLogger("workers")
 _GRACE_S = 2.0  # after one rank fails, how long the others get to finish before the group is marked broken
 
 
-def rank_name(role: str, dp_rank: int, tp_rank: int, pp_rank: int, cp_rank: int | None = None) -> str:
-    """The actor name of a rank, e.g. 'policy/dp0-tp1-pp0' ('policy/dp0-cp1-tp0-pp0' with context parallelism)."""
+def rank_name(role: str, dp_rank: int, tp_rank: int, pp_rank: int, cp_rank: int | None = None,
+              node: str | None = None) -> str:
+    """The actor name of a rank, e.g. 'policy/dp0-tp1-pp0' ('policy/dp0-cp1-tp0-pp0' with context parallelism,
+    'policy/dp0-tp1-pp0@10.0.0.2' in a cluster of several nodes: the node it runs on)."""
     cp = "" if cp_rank is None else f"-cp{cp_rank}"
-    return f"{role}/dp{dp_rank}{cp}-tp{tp_rank}-pp{pp_rank}"
+    at = "" if node is None else f"@{node}"
+    return f"{role}/dp{dp_rank}{cp}-tp{tp_rank}-pp{pp_rank}{at}"
 
 
 def _put(arg: Any) -> Any:
@@ -101,7 +105,9 @@ class WorkerGroup:
 
     Resources: each rank takes `num_cpus_per_worker` CPUs (fractions allowed) and `num_gpus_per_worker`
     GPUs from bundle `rank` of `resource_pool`; without a pool the group creates its own (roles placed
-    apart). Pass the same `ResourcePool` to several groups to colocate them.
+    apart), one bundle per tensor x context-parallel group (so it stays on one node), spread over the nodes
+    by `placement` (pack | spread | strict_pack | strict_spread). Pass the same `ResourcePool` to several
+    groups to colocate them. In a cluster of several nodes each rank's name ends in '@<node address>'.
     `timeout_s` bounds every call (override per call with `GroupFuture.get(timeout_s=)`),
     `collective_timeout_s` every torch.distributed collective, `init_timeout_s` the start-up.
     Each rank logs to `log_dir/<name>/<dpX-tpY-ppZ>.log`. `niceness` (default 0) undoes Ray's nice 15
@@ -130,6 +136,7 @@ class WorkerGroup:
         backend: str | None = None,
         niceness: int | None = 0,
         cp: int = 1,
+        placement: str = "pack",
     ) -> None:
         if min(tp, pp, dp, cp) < 1:
             raise ValueError(f"{role}: tp, cp, pp and dp must be >= 1, got tp={tp} cp={cp} pp={pp} dp={dp}")
@@ -144,14 +151,17 @@ class WorkerGroup:
         self._broken: str | None = None
         self._actors: list = []
         self._own_pool = resource_pool is None
-        self.pool = resource_pool or ResourcePool(self.name, self.world_size, self._cpus, self._gpus,
-                                                  timeout_s=min(timeout_s, 60.0))
+        per = tp * cp  # a tensor x context-parallel group shares one bundle, so it stays on one node
+        self.pool = resource_pool or ResourcePool(self.name, self.world_size // per, self._cpus * per,
+                                                  self._gpus * per, placement=placement,
+                                                  timeout_s=min(timeout_s, 60.0), ranks_per_bundle=per)
         self._reserved: list[int] = []
         try:
             for rank in range(self.world_size):
                 self.pool.reserve(rank, self._cpus, self._gpus, who=f"{self.name} rank {rank}")
                 self._reserved.append(rank)
-            self.names = [rank_name(self.name, *layout_of(r, tp, pp, dp, cp), cp_rank_of(r, tp, cp) if cp > 1 else None)
+            self.names = [rank_name(self.name, *layout_of(r, tp, pp, dp, cp), cp_rank_of(r, tp, cp) if cp > 1 else None,
+                                    node=self.pool.node_of(r) if is_multi_node() else None)
                           for r in range(self.world_size)]
             self.infos: list[dict[str, Any]] = [{"name": n, "rank": r} for r, n in enumerate(self.names)]
             self._spawn(init_kwargs or {}, collective_timeout_s or timeout_s, seed, num_threads, env_vars, backend,
@@ -178,7 +188,7 @@ class WorkerGroup:
                 num_cpus=self._cpus,
                 num_gpus=self._gpus,
                 max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pool.pg, placement_group_bundle_index=rank),
+                scheduling_strategy=self.pool.scheduling(rank),
             )
             if env_vars:
                 options["runtime_env"] = {"env_vars": dict(env_vars)}
@@ -198,6 +208,7 @@ class WorkerGroup:
             got = (info["dp_rank"], info["tp_rank"], info["pp_rank"], info.get("cp_rank", 0))
             if got != expect:
                 raise WorkerGroupError(f"{self.names[rank]}: rank {rank} has layout dp/tp/pp/cp={got}, expected {expect}")
+        register(self)
         self.output_ranks = [next(i["rank"] for i in self.infos if i["is_output"] and i["dp_rank"] == d)
                              for d in range(self.dp)]
         log.info("%s: %d ranks up (tp=%d cp=%d pp=%d dp=%d) rendezvous %s:%d", self.name, self.world_size,
@@ -279,7 +290,10 @@ class WorkerGroup:
         if died or pending:
             self._broken = f"{head} ({'actor died' if died else 'other ranks still blocked'})"
         msg += self._tails([rank])
-        err = (WorkerDiedError if died else WorkerGroupError)(msg)
+        lost = node_lost(self.infos[rank].get("node_id")) if died and rank < len(self.infos) else None
+        if lost:
+            msg = f"{what} failed: {lost}\n(first failure: {msg})"
+        err = (NodeLostError if lost else WorkerDiedError if died else WorkerGroupError)(msg)
         err.__cause__ = exc
         return err
 
@@ -310,6 +324,7 @@ class WorkerGroup:
             except Exception:  # noqa: BLE001 - already dead
                 pass
         self._actors = []
+        unregister(self)
         self._broken = self._broken or "the group was shut down"
         for rank in self._reserved:
             self.pool.release(rank, self._cpus, self._gpus)

@@ -69,6 +69,16 @@ def redirect_output(path: str | Path) -> Any:
     return file
 
 
+def node_ip() -> str:
+    """The Ray node address of this process ("?" outside Ray)."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address() if ray.is_initialized() else "?"
+    except Exception:  # noqa: BLE001 - not in a Ray worker
+        return "?"
+
+
 def placement() -> str:
     """"placement group <id>" of this Ray actor (colocated roles share one), or "no placement group"."""
     try:
@@ -95,7 +105,8 @@ class Worker:
             import torch
 
             torch.set_num_threads(ctx.num_threads)
-        log.info("%s started: pid %d on %s (%s)", ctx.name, os.getpid(), socket.gethostname(), placement())
+        log.info("%s started: pid %d on %s, node %s (%s)", ctx.name, os.getpid(), socket.gethostname(),
+                 node_ip(), placement())
 
     def __repr__(self) -> str:  # Ray prefixes this actor's log lines with it
         return self.ctx.name

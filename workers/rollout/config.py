@@ -11,6 +11,7 @@ from typing import Any
 
 from workers.dtypes import DTYPE_NAMES
 from workers.net import bind_process, node_address
+from workers.placement import PLACEMENTS
 
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 # vLLM inspects a model class in a fresh interpreter at every engine start (about 20 s on 2 CPU cores) unless
@@ -31,6 +32,10 @@ class EngineOptions:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # vLLM's per-step token budget (None: vLLM's default)
     num_cpus: float = 1.0  # Ray actor resources
+    num_gpus: float = 0.0
+    # how the engines' placement group spreads them over nodes (pack | spread | strict_pack | strict_spread,
+    # Ray's strategies); colocated engines follow the policy's pool
+    placement: str = "pack"
     # CPU: torch threads of the engine process. 1 is vLLM's serving default: decode is many small ops and
     # OpenMP workers spin-waiting between them cost more than extra cores gain (10x on a busy machine).
     num_threads: int | None = 1
@@ -40,7 +45,9 @@ class EngineOptions:
         checks = (("dtype", self.dtype in DTYPES, f"one of {', '.join(DTYPES)}"), ("tp", self.tp >= 1, ">= 1"),
                   ("kv_cache_gb", self.kv_cache_gb > 0, "> 0"), ("max_num_seqs", self.max_num_seqs >= 1, ">= 1"),
                   ("max_num_batched_tokens", (self.max_num_batched_tokens or 1) >= 1, "None or >= 1"),
-                  ("num_threads", (self.num_threads or 1) >= 1, "None or >= 1"))
+                  ("num_threads", (self.num_threads or 1) >= 1, "None or >= 1"),
+                  ("num_gpus", self.num_gpus >= 0, ">= 0"),
+                  ("placement", self.placement in PLACEMENTS, f"one of {', '.join(PLACEMENTS)}"))
         for name, ok, expected in checks:
             if not ok:
                 raise ValueError(f"{type(self).__name__}.{name}={getattr(self, name)!r} must be {expected}")
@@ -60,7 +67,6 @@ class EngineConfig(EngineOptions):
     max_model_len: int | None = None
     enable_chunked_prefill: bool | None = None
     enable_prefix_caching: bool = True
-    num_gpus: float = 0.0
     logprobs_mode: str = "raw_logprobs"
     gpu_memory_utilization: float = 0.4
     enable_sleep_mode: bool = False  # GPU colocated with training: free weights / KV during training

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from workers.agent.options import AgentOptions
 from workers.batch import Batch
 from workers.group.errors import (
+    NodeLostError,
     WorkerDiedError,
     WorkerGroupError,
     WorkerTimeoutError,
@@ -21,8 +22,10 @@ from workers.group.errors import (
     first_lines,
     refuse_taken_names,
 )
+from workers.group.nodes import node_lost, register, unregister
 from workers.group.wait import Failure, is_death, wait_all
 from workers.group.worker import tail_file
+from workers.net import is_multi_node
 from workers.rollout.config import EngineConfig
 from workers.rollout.prompts import as_batch, concat_rollouts
 from workers.rollout.sampling import SamplingConfig, as_sampling
@@ -84,8 +87,9 @@ class RolloutGroup:
     Batch one engine would give.
 
     `in_process=True` keeps a single engine in this process (tests, `rlhf generate`); otherwise each
-    engine is a Ray actor with the config's `num_cpus` / `num_gpus`, named `<name>/<rank>` (e.g.
-    `rollout/0`) like the worker ranks. Without `name` the group gets a unique one (`rollout-1a2b3c`),
+    engine is a Ray actor with the config's `num_cpus` / `num_gpus`, in bundle `rank` of a placement group of
+    the group's own (spread over nodes by the config's `placement`) or of `resource_pool` (colocated), named
+    `<name>/<rank>` (e.g. `rollout/0`; `rollout/0@10.0.0.3` in a cluster of several nodes) like the worker ranks. Without `name` the group gets a unique one (`rollout-1a2b3c`),
     so several groups can live in one Ray session; a `name` already taken there is refused. With
     `log_dir`, each engine actor writes its output to `log_dir/<name>/<rank>.log`, not to the console.
     """
@@ -105,12 +109,20 @@ class RolloutGroup:
         self.log_paths: list[str | None] = [None] * num_engines
         self._endpoint: tuple[str, int] | None = None
         self._syncers: dict[int, Any] = {}
-        self.pool, self._reserved = resource_pool, 0
+        self.pool, self._reserved, self._own_pool = resource_pool, 0, False
         self.in_flight = [0.0] * num_engines  # tokens of the generate calls started and not yet collected
         try:
             if in_process:
                 self.engines = [RolloutWorker(self.cfg, 0, name=self.names[0])]
             else:
+                if self.pool is None and self.cfg.num_cpus + self.cfg.num_gpus > 0:  # placed apart: a pool of their own
+                    from workers.group.pool import ResourcePool
+
+                    self.pool = ResourcePool(self.name, num_engines, self.cfg.num_cpus, self.cfg.num_gpus,
+                                             placement=self.cfg.placement, timeout_s=min(timeout_s, 60.0))
+                    self._own_pool = True
+                if is_multi_node() and self.pool is not None:
+                    self.names = [f"{n}@{self.pool.node_of(i)}" for i, n in enumerate(self.names)]
                 refuse_taken_names(self.names, RolloutError, "rollout group")
                 self.log_paths = [str(Path(log_dir) / self.name / f"{i}.log") if log_dir else None
                                   for i in range(num_engines)]
@@ -121,19 +133,18 @@ class RolloutGroup:
         except BaseException:
             self.shutdown()
             raise
+        register(self)
         self.dtype: str = self.infos[0]["dtype"]
         self.vocab_size: int = int(self.infos[0]["vocab_size"])
 
     def _placement(self, rank: int) -> dict[str, Any]:
-        """With a resource pool (colocation): engine `rank` in bundle `rank`, its CPUs / GPUs booked there."""
-        if self.pool is None:
+        """Engine `rank` in bundle `rank` of the pool (its own, or the policy's when colocated), its CPUs / GPUs
+        booked there."""
+        if self.pool is None:  # an engine that asks for no resources goes wherever Ray puts it
             return {}
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         self.pool.reserve(rank, self.cfg.num_cpus, self.cfg.num_gpus, who=f"{self.names[rank]}")
         self._reserved += 1
-        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.pool.pg,
-                                                                        placement_group_bundle_index=rank)}
+        return {"scheduling_strategy": self.pool.scheduling(rank)}
 
     @property
     def num_engines(self) -> int:
@@ -170,8 +181,12 @@ class RolloutGroup:
         log = self.log_paths[rank] if rank < len(self.log_paths) else None
         tail = f"\n--- last log lines of {self.names[rank]} ({log}) ---\n{tail_file(log, 20)}" if log else ""
         cause = getattr(exc, "cause", None)
-        if is_death(exc):
-            err: BaseException = RolloutDiedError(
+        lost = node_lost(self.infos[rank].get("node_id")) if is_death(exc) and rank < len(self.infos) else None
+        if lost:
+            err: BaseException = NodeLostError(f"{self.name}.{what} failed: {lost}\n(first failure: {head}: the "
+                                               f"actor died ({type(exc).__name__}: {first_lines(str(exc), 6)})){tail}")
+        elif is_death(exc):
+            err = RolloutDiedError(
                 f"{head}: the actor died ({type(exc).__name__}: {first_lines(str(exc), 6)}){tail}")
         elif isinstance(cause, WorkerGroupError | ValueError):
             err = cause
@@ -290,6 +305,10 @@ class RolloutGroup:
         for rank in range(self._reserved):
             self.pool.release(rank, self.cfg.num_cpus, self.cfg.num_gpus)  # type: ignore[union-attr]
         self._reserved = 0
+        unregister(self)
+        if self._own_pool and self.pool is not None:
+            self.pool.shutdown()
+            self.pool, self._own_pool = None, False
         self.engines = []
 
 

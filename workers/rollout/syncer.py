@@ -13,7 +13,7 @@ import torch
 
 from workers.batch import Batch
 from workers.rollout.config import SyncConfig
-from workers.rollout.cpu.shm import ShmTransport
+from workers.rollout.cpu.shm import ShmTransport, one_host_nodes
 from workers.rollout.registry import choose_transport
 from workers.rollout.transport import SyncSession, Transport, WeightSyncError, is_timeout, sync_error
 
@@ -39,6 +39,8 @@ class WeightSyncer:
         cls = choose_transport(torch.cuda.is_available(), self.cfg.colocated, self.cfg.sync_transport,
                                same_host=lambda strict: ShmTransport.usable(infos, rollout, strict))
         self.transport: Transport = cls()  # the driver side of the transport (its session fields, its file)
+        self.nodes = one_host_nodes(infos, getattr(rollout, "infos", []))
+        log.info("weight sync: transport %s (%s)", cls.name, "; ".join(f"{who} on {ip}" for ip, who in self.nodes.items()))
         self.transport.check(self.cfg)
         self._verify_seqs: list[list[int]] | None = None
 

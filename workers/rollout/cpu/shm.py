@@ -29,7 +29,6 @@ import logging
 import time
 from typing import Any
 
-from workers.net import is_multi_node
 from workers.rollout.cpu import engine_ops
 from workers.rollout.cpu.shm_file import SHM_DIR, ShmFile, ShmLayout, free_bytes, open_mapping
 from workers.rollout.transport import SyncSession, Transport, WeightSyncError, is_timeout, sync_error
@@ -69,18 +68,16 @@ class ShmTransport(Transport):
 
     @staticmethod
     def usable(infos: list[dict[str, Any]], rollout: Any, strict: bool) -> bool:
-        """Whether this transport can serve the policy ranks `infos` and the engines of `rollout`: one host
-        for all of them (a one-node Ray cluster, or every policy rank on one node with no other node
-        alive) and room in /dev/shm for the model in the engine's dtype (with 10% to spare). `strict`:
-        raise with the reason instead of returning False (the transport was asked for by name)."""
+        """Whether this transport can serve the policy ranks `infos` and the engines of `rollout`: all of them
+        and the driver (which names the file and removes it) on one node, and room in /dev/shm for the model
+        in the engine's dtype (with 10% to spare). `strict`: raise with the reason instead of returning False
+        (the transport was asked for by name)."""
         reason = ""
         try:
-            import ray
-
-            if ray.is_initialized() and is_multi_node():
-                reason = "the Ray cluster has more than one node"
-            elif len({i.get("node_id") for i in infos}) > 1:
-                reason = "the policy ranks are on more than one node"
+            nodes = one_host_nodes(infos, getattr(rollout, "infos", []))
+            if len(nodes) > 1:
+                reason = "the policy ranks, the engines and the driver are on more than one node (" + "; ".join(
+                    f"{who} on {ip}" for ip, who in nodes.items()) + ")"
         except Exception as exc:  # noqa: BLE001
             reason = f"could not check the nodes ({exc})"
         if not reason:
@@ -189,3 +186,20 @@ def _model_bytes(rollout: Any) -> int | None:
     except Exception as exc:  # noqa: BLE001 - unsupported or unreadable: not shm
         log.debug("weight sync: model size unknown: %s", exc)
         return None
+
+
+def one_host_nodes(policy: list[dict[str, Any]], engines: list[dict[str, Any]]) -> dict[str, str]:
+    """{node address: what of the sync runs there} for the policy ranks, the engines and this (driver)
+    process; one entry when they share a node (ranks not yet placed, without a node, are left out)."""
+    import ray
+
+    where: dict[str, list[str]] = {}
+    if ray.is_initialized():
+        where.setdefault(ray.util.get_node_ip_address(), []).append("the driver")
+    for what, infos in (("policy ranks", policy), ("engines", engines)):
+        for i in infos:
+            if i.get("node_ip"):
+                names = where.setdefault(i["node_ip"], [])
+                if what not in names:
+                    names.append(what)
+    return {ip: ", ".join(names) for ip, names in where.items()}

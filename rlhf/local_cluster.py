@@ -4,6 +4,7 @@ with a custom resource `node_<name>` to pin work to it. Placement, cross-node tr
 then run for real; the traffic between nodes stays on loopback. For tests and benches:
 
     with LocalCluster([NodeSpec("head", "127.0.0.10", 2), NodeSpec("a", "127.0.0.2", 2)], root) as c:
+        os.environ.update(c.client_env())   # token authentication with the cluster's own token
         ray.init(address=c.address)
         ...
         c.kill_node("a")            # SIGKILL the node's raylet and everything it started
@@ -18,6 +19,7 @@ address a node has; keep such clusters on machines without untrusted networks.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -99,13 +101,24 @@ class LocalCluster:
         self.port = free_port(self.head.ip)
         self.address = f"{self.head.ip}:{self.port}"
         self.ray_bin = str(Path(sys.executable).parent / "ray")
-        self.env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1", RAY_USAGE_STATS_ENABLED="0")
+        self.token_path = self.root / "auth_token"
+        self.env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1", RAY_USAGE_STATS_ENABLED="0",
+                        **self.client_env())
         self.env.pop("RAY_ADDRESS", None)
+
+    def client_env(self) -> dict[str, str]:
+        """What a process that joins the cluster needs in its environment: token authentication with the
+        cluster's own token file (not the user's ~/.ray/auth_token)."""
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token_path)}
 
     def temp_dir(self, name: str) -> Path:
         return self.root / name
 
     def start(self) -> LocalCluster:
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.token_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
         try:
             for spec in self.nodes.values():
                 self.start_node(spec.name)

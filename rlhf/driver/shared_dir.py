@@ -8,6 +8,7 @@ the token, cannot write, or whose file the driver does not see fails the run wit
 
 from __future__ import annotations
 
+import logging
 import secrets
 import shutil
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 from rlhf.errors import UserError
 
 CHECK_DIR = ".node-check"
+log = logging.getLogger(__name__)
 
 
 def _probe(folder: str, token: str, name: str) -> str:
@@ -38,6 +40,7 @@ def check_shared_run_dir(out: Path, timeout_s: float = 60.0) -> None:
     """Raise UserError unless every live node of the Ray cluster reads and writes `out` as the driver does.
     One node: nothing to check."""
     import ray
+    from ray.exceptions import NodeDiedError, TaskUnschedulableError
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     nodes = [n for n in ray.nodes() if n.get("Alive")]
@@ -55,7 +58,11 @@ def check_shared_run_dir(out: Path, timeout_s: float = 60.0) -> None:
             refs[probe.options(scheduling_strategy=strategy).remote(str(folder), token, f"node-{n['NodeID']}")] = n
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
         for ref, n in refs.items():
-            problem = ray.get(ref) if ref in ready else f"did not answer within {timeout_s:g}s"
+            try:
+                problem = ray.get(ref) if ref in ready else f"did not answer within {timeout_s:g}s"
+            except (TaskUnschedulableError, NodeDiedError):  # a node that left since ray.nodes(): nothing to check
+                log.warning("node %s left the cluster during the run-dir check", n.get("NodeManagerAddress", "?"))
+                continue
             mine = folder / f"node-{n['NodeID']}"
             if not problem and (not mine.is_file() or mine.read_text() != token):
                 problem = f"wrote {mine}, which the driver does not see (another file system at that path)"

@@ -41,7 +41,9 @@ def cluster(tmp_path_factory, tiny_model_factory):
     nodes = [NodeSpec("head", "127.0.0.10", 1), NodeSpec("a", "127.0.0.2", 2), NodeSpec("b", "127.0.0.3", 2)]
     if not ROOT_ONLY:
         nodes.append(NodeSpec("c", "127.0.0.4", 0, private_dirs=[str(shared / "unshared")]))
-    with LocalCluster(nodes, root) as c:
+    with LocalCluster(nodes, root) as c, pytest.MonkeyPatch.context() as mp:
+        for key, value in c.client_env().items():
+            mp.setenv(key, value)
         ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
         try:
             yield {"cluster": c, "path": path, "shared": shared, "logs": tmp_path_factory.mktemp("logs")}

@@ -201,13 +201,14 @@ def _stop(proc: subprocess.Popen, grace_s: float = 120.0) -> None:
 
 
 def run_ours(config: str, overrides: list[str], out_dir: Path, budget_s: float | None = None,
-             timeout_s: float = 1800.0, poll_s: float = 0.25) -> dict:
+             timeout_s: float = 1800.0, poll_s: float = 0.25, env: dict[str, str] | None = None) -> dict:
     """Run `rlhf train config overrides` with trainer.output_dir=out_dir and read its metrics.jsonl.
 
     Every metrics row gets `arrival_s` (seconds since launch when the bench saw it) and `train_s` (the sum of
     step_time_s up to that step: the training clock, which leaves out start-up and validation). With
     `budget_s`, the run is stopped (SIGINT, then harder) once the training clock reaches it, and rows past
-    the budget are dropped. Returns rows, the setup time (launch to the first step start) and the exit code.
+    the budget are dropped. `env`: more environment variables for the run. Returns rows, the setup time
+    (launch to the first step start) and the exit code.
     """
     import shutil
 
@@ -221,7 +222,7 @@ def run_ours(config: str, overrides: list[str], out_dir: Path, budget_s: float |
     log.write(" ".join(cmd) + "\n")
     log.flush()
     t_launch = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**_env(), **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
     rows: list[dict] = []
     seen = 0
     t_first: float | None = None

@@ -7,15 +7,22 @@ samples up to the same max_tokens and the rows differ only in the scaled quantit
 is shown). The figure is the median step time after the first `--skip` steps; each row gives its ratio to
 the 1x row, and for prompts the ratio per sample (1.0 = linear scaling, below 1 = better than linear).
 
-Usage: python bench/scaling.py [--quick] [--steps N]. Runs go under runs/bench/scaling/.
+`--nodes`: instead, the 1x row on a simulated Ray cluster (rlhf/local_cluster.py) of one node against two
+nodes (a head of 1 CPU with the driver, a node of 2 CPUs): on one node the weights go through shared
+memory; on two, the policy and the engine cannot all share the driver's node, so the sync goes over gloo
+and every call crosses a node. The ratio is the cost of the network transport and the cross-node calls.
+
+Usage: python bench/scaling.py [--quick] [--steps N] [--nodes]. Runs go under runs/bench/scaling/.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -40,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer steps per row")
     p.add_argument("--steps", type=int, help="steps per row (default 12, 6 with --quick)")
     p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the median")
+    p.add_argument("--nodes", action="store_true", help="one simulated node against two (see the docstring)")
     args = p.parse_args(argv)
     steps = args.steps or (6 if args.quick else 12)
     skip = min(args.skip, steps - 1)
@@ -51,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{CONFIG}: {pps} prompts x {base.rollout.n} samples, max_tokens {base.rollout.max_tokens}; "
           f"{steps} steps per row, median of steps {skip + 1}..{steps}", flush=True)
     data = C.arith_data(seed=0, val_size=200)
+    if args.nodes:
+        return nodes_rows(base, data, steps, skip, argv)
     rows_spec = [("1x", 1, 1), ("2x prompts", 2, 1), ("4x prompts", 4, 1), ("2x width", 1, 2), ("4x width", 1, 4)]
     results = []
     t_all = time.perf_counter()
@@ -94,6 +104,35 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         print(f"FAILED rows: {', '.join(failed)} (see the logs under {OUT})")
     return 1 if failed else 0
+
+
+def nodes_rows(base: Any, data: dict[str, Path], steps: int, skip: int, argv: list[str] | None) -> int:
+    """The 1x row on one simulated node, then on two (module docstring)."""
+    from rlhf.local_cluster import LocalCluster, NodeSpec
+
+    model = C.model_dir(base.model.preset or "arith-qwen2", width=1, warm_steps=0)
+    specs = {"1 node": [NodeSpec("head", "127.0.0.10", 3)],
+             "2 nodes": [NodeSpec("head", "127.0.0.10", 1), NodeSpec("a", "127.0.0.2", 2)]}
+    results = {}
+    for name, nodes in specs.items():
+        with LocalCluster(nodes, f"/tmp/rlhf-bench-{os.getpid()}") as cluster:
+            run = C.run_ours(CONFIG, [*overrides(model, data, base.data.prompts_per_step, steps),
+                                      f"trainer.ray_address={cluster.address}"],
+                             OUT / name.replace(" ", "_"), timeout_s=1800, env=cluster.client_env())
+        rows = [r for r in run["rows"] if r.get("step", 0) >= 1]
+        if not rows:
+            print(f"  {name}: FAILED (no steps; see {OUT / name.replace(' ', '_')}.log)")
+            return 1
+        results[name] = {"step_s": C.median(C.step_times(run["rows"], skip=skip)),
+                         "sync_s": C.median(r.get("time/sync", 0.0) for r in rows[skip:] or rows),
+                         "transport": "gloo" if name == "2 nodes" else "shm", "load": C.machine()["load1"]}
+        print(f"  {name}: median step {results[name]['step_s']:.3f} s, sync {results[name]['sync_s']:.3f} s", flush=True)
+    one = results["1 node"]
+    print(C.table(["row", "median step s", "median sync s", "ratio to 1 node", "load"],
+                  [[n, r["step_s"], r["sync_s"], r["step_s"] / one["step_s"], r["load"]] for n, r in results.items()]))
+    print(f"command: python bench/scaling.py {' '.join(argv or sys.argv[1:])}")
+    print(C.ratio_line("scaling_2_nodes_vs_1_node", results["2 nodes"]["step_s"] / one["step_s"]))
+    return 0
 
 
 if __name__ == "__main__":

@@ -4,8 +4,7 @@ with a custom resource `node_<name>` to pin work to it. Placement, cross-node tr
 then run for real; the traffic between nodes stays on loopback. For tests and benches:
 
     with LocalCluster([NodeSpec("head", "127.0.0.10", 2), NodeSpec("a", "127.0.0.2", 2)], root) as c:
-        os.environ.update(c.client_env())   # token authentication with the cluster's own token
-        ray.init(address=c.address)
+        c.connect()                 # ray.init with the cluster's own token (c.disconnect() to leave)
         ...
         c.kill_node("a")            # SIGKILL the node's raylet and everything it started
 
@@ -90,6 +89,14 @@ def kill_pids(pids: list[int], grace_s: float = 2.0) -> None:
             pass
 
 
+def _refresh_auth() -> None:
+    """Make Ray re-read RAY_AUTH_MODE and the token file in this process."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
 class LocalCluster:
     """The head (`nodes[0]`) and worker nodes of `nodes`, under `root` (short: Ray's socket paths are bounded)."""
 
@@ -110,6 +117,28 @@ class LocalCluster:
         """What a process that joins the cluster needs in its environment: token authentication with the
         cluster's own token file (not the user's ~/.ray/auth_token)."""
         return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token_path)}
+
+    def connect(self, **init_kwargs: Any) -> None:
+        """`ray.init` into this cluster from this process, with the cluster's token. Ray caches a process's
+        authentication settings when it first reads them, so they are refreshed here (and in `disconnect`)."""
+        import ray
+
+        self._saved_env = {k: os.environ.get(k) for k in self.client_env()}
+        os.environ.update(self.client_env())
+        _refresh_auth()
+        ray.init(address=self.address, **init_kwargs)
+
+    def disconnect(self) -> None:
+        """`ray.shutdown` and this process's authentication settings as they were before `connect`."""
+        import ray
+
+        ray.shutdown()
+        for key, value in getattr(self, "_saved_env", {}).items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        _refresh_auth()
 
     def temp_dir(self, name: str) -> Path:
         return self.root / name

@@ -23,7 +23,7 @@ from rlhf.driver.shared_dir import check_shared_run_dir
 from rlhf.errors import UserError
 from rlhf.local_cluster import LocalCluster, NodeSpec
 from tests.workers.conftest import make_rl_batch
-from workers.group import NodeLostError, WorkerGroup
+from workers.group import NodeLostError, ResourceUnavailableError, WorkerGroup
 from workers.roles import PolicyWorker, fetch_state_dict
 from workers.rollout import EngineConfig, RolloutGroup, SyncConfig
 
@@ -41,14 +41,12 @@ def cluster(tmp_path_factory, tiny_model_factory):
     nodes = [NodeSpec("head", "127.0.0.10", 1), NodeSpec("a", "127.0.0.2", 2), NodeSpec("b", "127.0.0.3", 2)]
     if not ROOT_ONLY:
         nodes.append(NodeSpec("c", "127.0.0.4", 0, private_dirs=[str(shared / "unshared")]))
-    with LocalCluster(nodes, root) as c, pytest.MonkeyPatch.context() as mp:
-        for key, value in c.client_env().items():
-            mp.setenv(key, value)
-        ray.init(address=c.address, logging_level="ERROR", log_to_driver=False)
+    with LocalCluster(nodes, root) as c:
+        c.connect(logging_level="ERROR", log_to_driver=False)
         try:
             yield {"cluster": c, "path": path, "shared": shared, "logs": tmp_path_factory.mktemp("logs")}
         finally:
-            ray.shutdown()
+            c.disconnect()
     shutil.rmtree(root, ignore_errors=True)
 
 
@@ -72,6 +70,19 @@ def test_run_dir_must_be_shared_by_every_node(cluster):
     with pytest.raises(UserError, match=r"trainer.output_dir: .*unshared/run is not on storage every node shares: "
                                         r"node 127\.0\.0\.4 \(\w{8}\) cannot read the driver's file"):
         check_shared_run_dir(cluster["shared"] / "unshared" / "run")
+
+
+def test_impossible_placements_fail_at_once_naming_the_nodes(cluster):
+    """Three bundles of 1.5 CPUs on nodes of their own: only a and b can hold one; all four ranks of a TP4
+    group in one bundle of 2.5 CPUs: no node has that much. Both refused before any actor starts."""
+    t0 = time.monotonic()
+    with pytest.raises(ResourceUnavailableError, match=r"strict_spread puts each of its 3 bundle\(s\) of "
+                                                       r"\{CPU=1.5\} on a node of its own, but only 2 node\(s\)"):
+        _policy(cluster, "policy-too-spread", 1.5, "strict_spread", dp=3)
+    with pytest.raises(ResourceUnavailableError, match=r"one bundle asks for 2.5 CPU but no node has that much"):
+        _policy(cluster, "policy-tp-too-big", 0.625, "pack", tp=4)
+    assert time.monotonic() - t0 < 10
+    assert not [n for n in ray.util.list_named_actors() if n.startswith("policy-t")]
 
 
 def test_tp2_dp2_across_two_nodes_gives_the_one_node_update(cluster):

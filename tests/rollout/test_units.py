@@ -63,6 +63,10 @@ def test_transport_is_chosen_in_one_place():
     assert name(on_gpu=False, colocated=False, same_host=True) == "shm"
     assert name(on_gpu=False, colocated=False, override="gloo", same_host=True) == "gloo"
     assert name(on_gpu=True, colocated=True, same_host=True) == "cuda_ipc"
+    assert name(on_gpu=True, colocated=False, nodes=3) == "nccl"
+    with pytest.raises(ValueError, match="rollout.colocate_with=policy on GPUs needs the policy and its engines on one node, not 2"):
+        choose_transport(on_gpu=True, colocated=True, nodes=2)
+    assert name(on_gpu=False, colocated=True, nodes=2) == "gloo"
     with pytest.raises(ValueError, match="one host"):
         choose_transport(on_gpu=False, colocated=False, override="shm", same_host=False)
     asked = []  # a same-host check runs only when shm is a candidate, strict when shm was named

@@ -13,11 +13,13 @@ TRANSPORTS: dict[str, type[Transport]] = {t.name: t for t in (ShmTransport, Gloo
 
 
 def choose_transport(on_gpu: bool, colocated: bool, override: str | None = None,
-                     same_host: bool | Callable[[bool], bool] = False) -> type[Transport]:
+                     same_host: bool | Callable[[bool], bool] = False, nodes: int = 1) -> type[Transport]:
     """CPU: "shm" when every policy rank and engine share one host with room in /dev/shm (`same_host`),
     else "gloo". GPU: CUDA IPC when colocated, else NCCL. `override` (SyncConfig.sync_transport) picks one by
     name; "gloo" keeps memory bounded to a few buckets. `same_host` may be a check, called (only when
-    "shm" is a candidate) with strict=True when it was named, so that it raises with its reason."""
+    "shm" is a candidate) with strict=True when it was named, so that it raises with its reason. `nodes`: how
+    many nodes the policy ranks and engines are on; colocated engines on GPUs across nodes are refused (CUDA
+    IPC handles work within one node, and NCCL cannot join two processes that share one GPU)."""
 
     def fits(strict: bool) -> bool:
         return same_host(strict) if callable(same_host) else bool(same_host)
@@ -34,4 +36,8 @@ def choose_transport(on_gpu: bool, colocated: bool, override: str | None = None,
         return cls
     if not on_gpu:
         return ShmTransport if fits(strict=False) else GlooTransport
+    if colocated and nodes > 1:
+        raise ValueError(f"rollout.colocate_with=policy on GPUs needs the policy and its engines on one node, not "
+                         f"{nodes} (CUDA IPC works within a node); place the engines apart (rollout.colocate_with="
+                         f"null) to sync over NCCL")
     return CudaIpcTransport if colocated else NcclTransport

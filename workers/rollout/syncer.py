@@ -36,8 +36,10 @@ class WeightSyncer:
         pp = max(i["pp_rank"] for i in infos) + 1
         self.source_ranks = [next(i["rank"] for i in infos if i["tp_rank"] == 0 and i["dp_rank"] == 0
                                   and i.get("cp_rank", 0) == 0 and i["pp_rank"] == s) for s in range(pp)]
+        workers = {i["node_ip"] for i in [*infos, *getattr(rollout, "infos", [])] if i.get("node_ip")}
         cls = choose_transport(torch.cuda.is_available(), self.cfg.colocated, self.cfg.sync_transport,
-                               same_host=lambda strict: ShmTransport.usable(infos, rollout, strict))
+                               same_host=lambda strict: ShmTransport.usable(infos, rollout, strict),
+                               nodes=len(workers) or 1)
         self.transport: Transport = cls()  # the driver side of the transport (its session fields, its file)
         self.nodes = one_host_nodes(infos, getattr(rollout, "infos", []))
         log.info("weight sync: transport %s (%s)", cls.name, "; ".join(f"{who} on {ip}" for ip, who in self.nodes.items()))

@@ -84,6 +84,7 @@ def test_wrong_type():
         ("rollout.partial_tokens=-1", ["rollout.partial_tokens", ">= 0"]),
         ("algorithm.off_policy_correction=clip", ["algorithm.off_policy_correction", "tis, mis_token"]),
         ("algorithm.is_cap=0.5", ["algorithm.is_cap", ">= 1"]),
+        ("algorithm.oversample_factor=0.5", ["algorithm.oversample_factor", ">= 1"]),
         ("algorithm.is_high=0.9", ["algorithm.is_low / is_high", "0.5, 0.9"]),
     ],
 )

@@ -195,8 +195,12 @@ class AlgorithmConfig(PPOLossConfig, ValueLossConfig):
     is_cap: float = 2.0
     is_low: float = 0.5
     is_high: float = 2.0
+    # DAPO's dynamic sampling: drop the groups whose rewards are all equal and refill the batch, in at most
+    # max_resample_rounds rounds; a round draws the missing groups x oversample_factor prompts (the factor:
+    # 1 / the share of groups expected to be informative), not a whole step's
     dynamic_sampling: bool = False
     max_resample_rounds: int = 3
+    oversample_factor: float = 2.0
     dpo: DPOConfig = field(default_factory=DPOConfig)
 
 

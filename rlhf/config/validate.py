@@ -390,6 +390,8 @@ def _check_pipeline(cfg: RunConfig) -> None:
                           "recomputed log-probs with the engine's, so it needs algorithm.old_logprobs=recompute "
                           f"(got {a.old_logprobs})")
     _require(a.is_cap >= 1, "algorithm.is_cap", "a weight cap >= 1", a.is_cap)
+    _require(a.oversample_factor >= 1, "algorithm.oversample_factor", "a factor >= 1 (prompts drawn per missing "
+             "group)", a.oversample_factor)
     _require(0 < a.is_low <= 1 <= a.is_high, "algorithm.is_low / is_high",
              "a band 0 < is_low <= 1 <= is_high of kept ratios", [a.is_low, a.is_high])
 

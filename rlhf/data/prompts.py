@@ -216,14 +216,15 @@ class PromptLoader:
     def batches_per_epoch(self) -> int:
         return len(self.prompts) // self.batch_size
 
-    def next_batch(self) -> list[PromptRecord]:
-        """The next batch, moving to the next epoch when fewer than batch_size prompts remain."""
-        if self.position + self.batch_size > len(self.prompts):
+    def next_batch(self, size: int | None = None) -> list[PromptRecord]:
+        """The next `size` prompts (default batch_size), moving to the next epoch when fewer remain."""
+        size = self.batch_size if size is None else min(size, len(self.prompts))
+        if self.position + size > len(self.prompts):
             self.epoch += 1
             self.position = 0
             self._order = self._epoch_order(self.epoch)
-        idx = self._order[self.position : self.position + self.batch_size]
-        self.position += self.batch_size
+        idx = self._order[self.position : self.position + size]
+        self.position += size
         return [self.prompts[i] for i in idx]
 
     def __iter__(self) -> Iterator[list[PromptRecord]]:

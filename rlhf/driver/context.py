@@ -19,7 +19,7 @@ class StepContext:
     step: int
     prompts: list[dict[str, Any]]
     kl_ctrl: Any
-    next_prompts: Callable[[], list[dict[str, Any]]]
+    next_prompts: Callable[..., list[dict[str, Any]]]  # next_prompts(k): k more prompts (default: a step's)
     timer: PhaseTimer = field(default_factory=PhaseTimer)
     metrics: dict[str, float] = field(default_factory=dict)
     # rollout.mode=one_step_off: the next step's prompts, drawn ahead so their generation can start during

@@ -42,18 +42,23 @@ def generate_and_score(roles: Roles, ctx: StepContext) -> Batch:
         batch = roles.reward(batch)
     if not cfg.algorithm.dynamic_sampling:
         return batch
-    wanted, kept = len(batch), informative_groups(batch)
+    wanted, kept, rounds, drawn = len(batch), informative_groups(batch), 0, 0
     for _ in range(cfg.algorithm.max_resample_rounds):
         if len(kept) >= wanted:
             break
+        missing = math.ceil((wanted - len(kept)) / cfg.rollout.n)  # groups still to find
+        count = math.ceil(missing * cfg.algorithm.oversample_factor)
         with ctx.phase("generate"):
-            extra = roles.rollout.generate(ctx.next_prompts(), seed=ctx.sample_seed())
+            extra = roles.rollout.generate(ctx.next_prompts(count), seed=ctx.sample_seed())
+        rounds, drawn = rounds + 1, drawn + count
         with ctx.phase("reward"):
             extra = roles.reward(extra)
         extra["group_id"] = [g + 10**6 * (ctx.resample_round()) for g in extra["group_id"]]
         kept = concat_rollouts([kept, informative_groups(extra)])
     kept = whole_groups_dividing(kept.index(slice(0, wanted)), train_divisor(cfg))
     ctx.metrics["dynamic_sampling/kept_fraction"] = len(kept) / wanted
+    ctx.metrics["dynamic_sampling/rounds"] = float(rounds)
+    ctx.metrics["dynamic_sampling/extra_prompts"] = float(drawn)
     # Train on whole groups only, at most the configured batch size; fall back to the full batch if none fit.
     return kept if len(kept) else batch
 

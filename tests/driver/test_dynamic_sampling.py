@@ -44,3 +44,61 @@ def test_train_divisor_is_mini_batches_times_the_dp_sizes_lcm():
     cfg.critic.enabled = True
     cfg.algorithm.mini_batches = 3
     assert train_divisor(cfg) == 18
+
+
+class _Rollout:
+    """Stands in for the engines in a test of the step's bookkeeping alone (the real stack runs in
+    tests/driver/test_rl_e2e.py::test_grpo_two_steps with dynamic sampling on): prompt p's n samples all
+    score `p["score"]` when it is a number (an uninformative group), else 0 and 1 alternately."""
+
+    version, n = 0, 4
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def _batch(self, prompts: list[dict]) -> Batch:
+        scores_per_group = [[p["score"]] * self.n if p["score"] is not None else [0.0, 1.0] * (self.n // 2)
+                            for p in prompts]
+        b = batch_of(scores_per_group)
+        b["input_ids"] = torch.ones(len(b), 5, dtype=torch.long)  # 2 prompt + 3 response columns
+        b["responses"] = torch.ones(len(b), 3, dtype=torch.long)
+        b.meta["policy_version"] = [0] * len(b)
+        return b
+
+    def take(self, prompts: list[dict], draw=None, seed=None) -> Batch:
+        return self._batch(prompts)
+
+    def generate(self, prompts: list[dict], seed=None) -> Batch:
+        self.calls.append(len(prompts))
+        return self._batch(prompts)
+
+    def pop_metrics(self) -> dict:
+        return {}
+
+
+def test_refill_rounds_draw_the_missing_groups_times_the_oversample_factor():
+    from types import SimpleNamespace
+
+    from rlhf.driver.context import StepContext
+    from rlhf.driver.grpo import generate_and_score
+    from rlhf.driver.metrics import PhaseTimer
+
+    cfg = RunConfig()
+    cfg.rollout.n, cfg.algorithm.dynamic_sampling, cfg.algorithm.oversample_factor = 4, True, 1.5
+    cfg.algorithm.mini_batches = 1
+    drawn: list[int] = []
+    stream = iter([{"score": None}, {"score": 1.0}] * 50)  # every other drawn prompt is informative
+
+    def next_prompts(k: int | None = None) -> list[dict]:
+        drawn.append(k)
+        return [next(stream) for _ in range(k or 8)]
+
+    rollout = _Rollout()
+    roles = SimpleNamespace(rollout=rollout, reward=lambda b: b)
+    prompts = [{"score": 1.0}] * 6 + [{"score": None}] * 2  # 2 of 8 groups informative: 6 missing
+    ctx = StepContext(cfg, 1, prompts, None, next_prompts, PhaseTimer())
+    out = generate_and_score(roles, ctx)
+    # round 1: 6 missing -> ceil(6 x 1.5) = 9 prompts, 5 informative -> 7 groups; round 2: 1 missing -> 2
+    assert drawn == [9, 2] and rollout.calls == [9, 2], (drawn, rollout.calls)
+    assert len(out) == 8 * 4 and ctx.metrics["dynamic_sampling/kept_fraction"] == 1.0
+    assert ctx.metrics["dynamic_sampling/rounds"] == 2 and ctx.metrics["dynamic_sampling/extra_prompts"] == 11

@@ -46,6 +46,8 @@ def test_grpo_two_steps(tmp_path, zero_copy, old_logprobs, lora):
                                                "    return float(len(response))\n")
     extra = ["policy.lora.rank=4", "policy.optim.lr=1e-2", f"rollout.sync_lora_adapter={lora == 'adapter'}",
              "reward.fn=length_reward:length", "reward.num_workers=1"]
+    if zero_copy:  # DAPO's dynamic sampling: groups of equal lengths are dropped and refilled
+        extra += ["algorithm.dynamic_sampling=true", "algorithm.oversample_factor=1.5"]
     r = rlhf("train", "configs/grpo_tiny.yaml", *FAST, "trainer.total_steps=2", "trainer.save_every=2",
              "rollout.temperature=0.7", f"algorithm.old_logprobs={old_logprobs}", f"trainer.output_dir={run}",
              f"rollout.zero_copy_weights={str(zero_copy).lower()}", *extra, path=tmp_path)
@@ -61,6 +63,9 @@ def test_grpo_two_steps(tmp_path, zero_copy, old_logprobs, lora):
             assert 0 <= step["mismatch/kl"] < 1e-5, step
         else:  # nothing recomputed, nothing to compare
             assert not any(k.startswith("mismatch/") for k in step), step
+        if zero_copy:
+            assert 0 < step["dynamic_sampling/kept_fraction"] <= 1, step
+            assert step["dynamic_sampling/extra_prompts"] >= step["dynamic_sampling/rounds"] >= 0, step
     for key in ("reward_mean", "kl", "response_length_mean", "step_time_s", "time/generate", "time/train",
                 "time/sync", "policy_loss", "grad_norm"):
         assert key in steps[0], key

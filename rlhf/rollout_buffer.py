@@ -9,7 +9,8 @@ samples while the policy trains, until nothing is left to generate; a weight syn
 in flight, so an update waits for one round, never for the longest response. Unfinished samples continue in the next round with the new weights, and
 every token records the policy version that produced it (`token_versions`). A group whose oldest token is
 more than `rollout.max_staleness` versions behind the engines is dropped and counted
-(`rollout/stale_dropped`). The buffer draws prompts from the run's loader to stay one step ahead; its
+(`rollout/stale_dropped`). With the run's reward, a group is scored as soon as its samples finish, in
+the background while the policy trains (`rollout/scored_in_buffer`). The buffer draws prompts from the run's loader to stay one step ahead; its
 samples and counters are part of the checkpoint (`state_dict`), so a resumed run continues them.
 """
 
@@ -31,13 +32,16 @@ class AsyncRollout:
     prompt texts as the engine would (`workers.rollout.prompts.normalise`), `sampling` is the run's
     SamplingConfig.
     `background_rounds` caps the rounds run between a take and the next collect (None: until nothing is left;
-    tests set 1 to place a sync between two rounds)."""
+    tests set 1 to place a sync between two rounds). `score(batch)` (the run's reward) scores each group as
+    soon as all its samples finish, in the buffer's thread while the policy trains; taken groups then carry
+    `scores` and the step does not score them again."""
 
     def __init__(self, start: Callable[[Batch, Any], Any],
                  encode: Callable[[list[dict[str, Any]]], tuple[list[list[int]], list[str]]], sampling: Any,
                  partial_tokens: int, max_staleness: int, max_rounds: int = 64,
-                 background_rounds: int | None = None) -> None:
+                 background_rounds: int | None = None, score: Callable[[Batch], Batch] | None = None) -> None:
         self.start, self.encode, self.sampling, self.background_rounds = start, encode, sampling, background_rounds
+        self.score = score
         self.chunk = partial_tokens or sampling.max_tokens
         self.max_staleness, self.max_rounds = max_staleness, max_rounds
         self.samples: list[Sample] = []  # in progress and finished, not yet taken
@@ -79,7 +83,8 @@ class AsyncRollout:
             self._queue(draw())
         spans = [len(set(s.versions)) for s in taken]
         metrics = {"rollout/stale_dropped": float(dropped), "rollout/buffer_samples": float(len(self.samples)),
-                   "rollout/partial_fraction": sum(1 for k in spans if k > 1) / max(len(spans), 1)}
+                   "rollout/partial_fraction": sum(1 for k in spans if k > 1) / max(len(spans), 1),
+                   "rollout/scored_in_buffer": float("scores" in batch)}
         self._stop.clear()
         self._thread = threading.Thread(target=self._pump, args=(version, torch.get_num_threads()),
                                         name="rollout-buffer", daemon=True)
@@ -126,6 +131,19 @@ class AsyncRollout:
                 extend(s, out, i, at, self.sampling.max_tokens)
             self.counts["rounds"] += 1
         self.in_flight = []
+        self._score_finished()
+
+    def _score_finished(self) -> None:
+        """Score the groups that have just finished (every sample done, none scored yet)."""
+        if self.score is None:
+            return
+        done = set(self._complete())
+        todo = [x for x in self.samples if x.group in done and x.score is None]
+        if todo:
+            scores = self.score(assemble(todo))["scores"]
+            for x, value in zip(todo, scores.tolist(), strict=True):
+                x.score = float(value)
+            self.counts["scored"] = self.counts.get("scored", 0) + len({x.group for x in todo})
 
     def _drop_stale(self, version: int) -> int:
         """Drop the groups whose oldest token is more than max_staleness versions behind `version`."""

@@ -376,6 +376,8 @@ class Roles:
             pool.shutdown(wait=False)
         try:
             handles["rollout"] = rollout.result()
+            if handles["rollout"].buffer is not None:  # async: groups are scored in the buffer as they finish
+                handles["rollout"].buffer.score = reward
         except BaseException:
             for h in [*handles.values(), reward, *([shared] if shared else [])]:
                 h.shutdown()

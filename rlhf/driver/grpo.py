@@ -39,7 +39,8 @@ def generate_and_score(roles: Roles, ctx: StepContext) -> Batch:
     ctx.metrics["rollout/version_lag_mean"] = sum(lag) / max(len(lag), 1)
     ctx.metrics["rollout/version_lag_max"] = float(max(lag, default=0))
     with ctx.phase("reward"):
-        batch = roles.reward(batch)
+        if "scores" not in batch:  # async: the buffer scores groups as they finish
+            batch = roles.reward(batch)
     if not cfg.algorithm.dynamic_sampling:
         return batch
     wanted, kept, rounds, drawn = len(batch), informative_groups(batch), 0, 0

@@ -125,3 +125,28 @@ def test_background_rounds_run_until_nothing_is_left(group):
     assert batch["ground_truth"] == [str(4 + i // 2) for i in range(8)]
     assert buf.counts["rounds"] == rounds  # taken as they were: no foreground round
     buf.collect(0)
+
+
+def test_groups_are_scored_in_the_buffer_as_they_finish(group):
+    """With the run's reward, each group is scored once, when its last sample finishes (in the background
+    thread as well); a take returns the scores with the groups, and the checkpoint keeps them."""
+    def score(batch):  # the response's length in tokens, so a score can be checked against its row
+        batch["scores"] = batch["response_mask"].sum(1).float()
+        return batch
+
+    sampling = SamplingConfig(n=2, temperature=1.0, max_tokens=8, seed=3)
+    buf = buffer(group, sampling, score=score)
+    first, metrics = buf.take(records(0, 4), lambda: records(4, 8), version=0)
+    assert metrics["rollout/scored_in_buffer"] == 1.0
+    assert torch.equal(first["scores"], first["response_mask"].sum(1).float())
+    buf._thread.join(timeout=120)
+    assert all(s.done and s.score == len(s.tokens) for s in buf.samples)  # scored in the background
+    assert buf.counts["scored"] == 8  # every group once: four taken, four finished behind the take
+    state = json.loads(json.dumps(buf.state_dict(0)))
+    again = buffer(group, sampling, score=score)
+    again.load_state_dict(state)
+    second, _ = again.take(records(8, 12), lambda: records(12, 16), version=0)
+    assert torch.equal(second["scores"], second["response_mask"].sum(1).float())
+    again._thread.join(timeout=120)
+    assert again.counts["scored"] == 12  # the next four groups; the checkpoint's four were not scored again
+    again.collect(0)

@@ -31,6 +31,7 @@ class Sample:
     text: str = ""
     finish_reason: str | None = None  # None while in progress
     started: int = 0  # the policy version of its first token
+    score: float | None = None  # its reward, scored in the buffer as soon as its whole group finished
 
     @property
     def done(self) -> bool:
@@ -73,7 +74,7 @@ def assemble(samples: list[Sample]) -> Batch:
     """Finished samples (a group's rows contiguous) as a generate Batch: prompts left-padded to P, responses
     right-padded to R (padding 0), `rollout_logprobs`, `token_versions` (0 on padding), meta `group_id`
     (renumbered from 0), `response_text`, `finish_reason`, `policy_version` (the oldest token's version)
-    and the samples' record fields (prompt, ground_truth, ...)."""
+    and the samples' record fields (prompt, ground_truth, ...); `scores` when every sample has one."""
     prompts, p_mask = pad_sequences([s.prompt_ids for s in samples], left=True)
     responses, r_mask = pad_sequences([s.tokens for s in samples])
     logprobs, _ = pad_sequences([torch.tensor(s.logprobs, dtype=torch.float32) for s in samples], dtype=torch.float32)
@@ -83,6 +84,9 @@ def assemble(samples: list[Sample]) -> Batch:
     meta: dict[str, list[Any]] = {k: [s.meta.get(k) for s in samples] for k in (samples[0].meta if samples else {})}
     meta |= {"response_text": [s.text for s in samples], "finish_reason": [s.finish_reason for s in samples],
              "group_id": groups, "policy_version": [s.oldest for s in samples]}
-    return Batch(tensors={"input_ids": torch.cat([prompts, responses], 1), "attention_mask": torch.cat([p_mask, r_mask], 1),
-                          "responses": responses, "response_mask": r_mask, "rollout_logprobs": logprobs,
-                          "token_versions": versions}, meta=meta)
+    batch = Batch(tensors={"input_ids": torch.cat([prompts, responses], 1), "attention_mask": torch.cat([p_mask, r_mask], 1),
+                           "responses": responses, "response_mask": r_mask, "rollout_logprobs": logprobs,
+                           "token_versions": versions}, meta=meta)
+    if samples and all(s.score is not None for s in samples):
+        batch["scores"] = torch.tensor([s.score for s in samples], dtype=torch.float32)
+    return batch

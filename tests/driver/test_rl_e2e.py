@@ -216,8 +216,8 @@ def test_grpo_one_step_off_on_two_engines_and_resume(tmp_path):
 def test_grpo_async_partial_rollouts_and_resume(tmp_path):
     """rollout.mode=async with partial rollouts of 2 tokens a round (max_tokens 8): the engines generate
     rounds while the policy trains, no batch is more than max_staleness=1 sync old, whole groups only, and the
-    truncated-IS correction runs (tests/rollout/test_partial_rollouts.py checks the continuation across a
-    sync token by token). A resumed
+    truncated-IS correction runs, and the groups come scored by the buffer (tests/rollout/test_partial_rollouts.py
+    checks the continuation across a sync token by token). A resumed
     run restores the buffer with the checkpoint: its first step trains on samples the first run generated
     (version lag 1), where a fresh buffer would give lag 0."""
     run = tmp_path / "async"
@@ -235,6 +235,7 @@ def test_grpo_async_partial_rollouts_and_resume(tmp_path):
         assert row["rollout/version_lag_max"] <= 1.0 and row["rollout/stale_dropped"] >= 0, row
         assert row["batch_size"] == 16, row  # 4 prompts x n=4, whole groups
         assert 0 <= row["rollout/partial_fraction"] <= 1, row  # > 0 when a sync cuts a response (timing)
+        assert row["rollout/scored_in_buffer"] == 1.0, row  # rewards scored in the buffer as groups finished
     assert any(row["off_policy/is_ratio_max"] > 1.0 for row in rows[1:]), rows
     saved = json.loads((run / "checkpoints" / "step-000003" / "driver_state.json").read_text())["rollout"]
     assert saved["version"] == 4 and saved["buffer"]["samples"], saved.keys()

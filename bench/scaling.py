@@ -12,7 +12,10 @@ nodes (a head of 1 CPU with the driver, a node of 2 CPUs): on one node the weigh
 memory; on two, the policy and the engine cannot all share the driver's node, so the sync goes over gloo
 and every call crosses a node. The ratio is the cost of the network transport and the cross-node calls.
 
-Usage: python bench/scaling.py [--quick] [--steps N] [--nodes]. Runs go under runs/bench/scaling/.
+`--engines`: instead, the 1x row with one engine against two (rollout.num_engines=2, each engine 1 CPU
+and 1 thread): the generate phase splits its prompts over the engines by load, and every sync feeds both.
+
+Usage: python bench/scaling.py [--quick] [--steps N] [--nodes | --engines]. Runs go under runs/bench/scaling/.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, help="steps per row (default 12, 6 with --quick)")
     p.add_argument("--skip", type=int, default=2, help="warm-up steps left out of the median")
     p.add_argument("--nodes", action="store_true", help="one simulated node against two (see the docstring)")
+    p.add_argument("--engines", action="store_true", help="one rollout engine against two (see the docstring)")
     args = p.parse_args(argv)
     steps = args.steps or (6 if args.quick else 12)
     skip = min(args.skip, steps - 1)
@@ -61,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     data = C.arith_data(seed=0, val_size=200)
     if args.nodes:
         return nodes_rows(base, data, steps, skip, argv)
+    if args.engines:
+        return engines_rows(base, data, steps, skip, argv)
     rows_spec = [("1x", 1, 1), ("2x prompts", 2, 1), ("4x prompts", 4, 1), ("2x width", 1, 2), ("4x width", 1, 4)]
     results = []
     t_all = time.perf_counter()
@@ -104,6 +110,35 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         print(f"FAILED rows: {', '.join(failed)} (see the logs under {OUT})")
     return 1 if failed else 0
+
+
+def engines_rows(base: Any, data: dict[str, Path], steps: int, skip: int, argv: list[str] | None) -> int:
+    """The 1x row with one engine, then two (module docstring)."""
+    model = C.model_dir(base.model.preset or "arith-qwen2", width=1, warm_steps=0)
+    results = {}
+    for engines in (1, 2):
+        name = f"{engines} engine{'s' if engines > 1 else ''}"
+        run = C.run_ours(CONFIG, [*overrides(model, data, base.data.prompts_per_step, steps),
+                                  f"rollout.num_engines={engines}", "rollout.num_threads=1",
+                                  f"trainer.ray_num_cpus={2 + engines}"],
+                         OUT / name.replace(" ", "_"), timeout_s=1800)
+        rows = [r for r in run["rows"] if r.get("step", 0) >= 1]
+        if not rows:
+            print(f"  {name}: FAILED (no steps; see {OUT / name.replace(' ', '_')}.log)")
+            return 1
+        results[name] = {k: C.median(r.get(k, 0.0) for r in rows[skip:] or rows)
+                         for k in ("time/generate", "time/sync")}
+        results[name]["step_s"] = C.median(C.step_times(run["rows"], skip=skip))
+        results[name]["load"] = C.machine()["load1"]
+        print(f"  {name}: median step {results[name]['step_s']:.3f} s", flush=True)
+    one = results["1 engine"]
+    print(C.table(["row", "median step s", "generate s", "sync s", "ratio to 1 engine", "load"],
+                  [[n, r["step_s"], r["time/generate"], r["time/sync"], r["step_s"] / one["step_s"], r["load"]]
+                   for n, r in results.items()]))
+    print(f"command: python bench/scaling.py {' '.join(argv or sys.argv[1:])}")
+    print(C.ratio_line("scaling_2_engines_vs_1", results["2 engines"]["step_s"] / one["step_s"]))
+    print(C.ratio_line("scaling_generate_2_engines_vs_1", results["2 engines"]["time/generate"] / one["time/generate"]))
+    return 0
 
 
 def nodes_rows(base: Any, data: dict[str, Path], steps: int, skip: int, argv: list[str] | None) -> int:

@@ -44,7 +44,7 @@ CHAT_TEMPLATE = (
 class TinyPreset:
     """Architecture of one preset. head_dim is kept >= 32 because vLLM's CPU attention needs it."""
 
-    family: str  # a HF model_type: "qwen2", "llama", "mistral", "qwen3", "qwen2_moe", "qwen3_moe", "deepseek_v2/3"
+    family: str  # a HF model_type: "qwen2", "llama", "mistral", "qwen3", "qwen2_moe", "qwen3_moe", "deepseek_v2/3", "qwen2_vl"
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -107,6 +107,10 @@ PRESETS: dict[str, TinyPreset] = {
         **_MLA, "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
         "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5,
         "norm_topk_prob": True, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "num_nextn_predict_layers": 0}),
+    # Qwen2-VL: tiny-qwen2's text model with M-RoPE (sections 4/6/6 of head_dim 32 / 2) and a 2-layer vision
+    # tower (width 64, 2 heads of 32, patches of 14 merged 2 x 2 into the text width). ~0.6M parameters.
+    "tiny-qwen2-vl": TinyPreset("qwen2_vl", 128, 2, 4, 2, 256, 512, tie_embeddings=True, extra={
+        "mrope_section": [4, 6, 6], "vision": {"depth": 2, "embed_dim": 64, "num_heads": 2, "mlp_ratio": 2}}),
     "small-qwen2": TinyPreset("qwen2", 512, 8, 8, 4, 1408, 8192, tie_embeddings=True, max_position_embeddings=1024),
     # ~100M parameters, for conversion and weight-sync benchmarks.
     "base-qwen2": TinyPreset("qwen2", 768, 12, 12, 4, 2048, 8192, tie_embeddings=False, max_position_embeddings=1024),
@@ -186,6 +190,10 @@ def hf_config(preset: TinyPreset, tokenizer):
     )
     if preset.family == "qwen2":
         return Qwen2Config(**common)
+    if preset.family == "qwen2_vl":
+        from rlhf.tiny_vlm import vl_config
+
+        return vl_config(preset, tokenizer)
     moe_or_qwen3 = {"qwen3": Qwen3Config, "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig,
                     "mistral": MistralConfig, "deepseek_v2": DeepseekV2Config, "deepseek_v3": DeepseekV3Config}
     if preset.family in moe_or_qwen3:
@@ -226,16 +234,32 @@ def create_tiny_model(preset_name: str, out_dir: str | Path, seed: int = 0) -> P
     preset = get_preset(preset_name)
     out = Path(out_dir)
     tokenizer = build_tokenizer(preset.vocab_size, preset.max_position_embeddings)
+    vision = preset.family == "qwen2_vl"
+    if vision:
+        from rlhf.tiny_vlm import add_vision_tokens
+
+        add_vision_tokens(tokenizer)
     if len(tokenizer) > preset.vocab_size:
         raise UserError(f"tokenizer has {len(tokenizer)} tokens, more than the preset's vocab {preset.vocab_size}")
     config = hf_config(preset, tokenizer)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if vision:
+        from transformers import Qwen2VLForConditionalGeneration
+
+        model = Qwen2VLForConditionalGeneration(config).float()
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _spread_routers(model)
     model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=config.bos_token_id
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN),
     )
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    if vision:
+        from rlhf.tiny_vlm import save_processor
+
+        save_processor(tokenizer, out)
+    else:
+        tokenizer.save_pretrained(out)
     return out

@@ -173,6 +173,14 @@ def _uses_mla(model_path: str) -> bool:
     return config.is_file() and json.loads(config.read_text()).get("kv_lora_rank") is not None
 
 
+def is_vision_language(model_path: str) -> bool:
+    """True for a Qwen2-VL folder (the one vision-language family the engines serve)."""
+    import json
+
+    config = Path(model_path) / "config.json"
+    return config.is_file() and json.loads(config.read_text()).get("model_type") == "qwen2_vl"
+
+
 def llm_kwargs(cfg: EngineConfig) -> dict[str, Any]:
     """Keyword arguments of `vllm.LLM` for this config on this machine."""
     on_gpu = cuda_available()
@@ -213,6 +221,10 @@ def llm_kwargs(cfg: EngineConfig) -> dict[str, Any]:
             # int8 weights only ("expect weight to be bfloat16, float16, ..." at engine start for fp32); the
             # reference CPU MLA backend takes any dtype.
             kw["attention_backend"] = "CPU_MLA"
+    if is_vision_language(cfg.model_path):
+        from workers.vision.images import MAX_IMAGES_PER_PROMPT
+
+        kw["limit_mm_per_prompt"] = {"image": MAX_IMAGES_PER_PROMPT, "video": 0}
     if cfg.max_lora_rank > 0:  # one adapter at a time: each sync's replaces the last
         kw.update(enable_lora=True, max_loras=1, max_lora_rank=lora_rank_bucket(cfg.max_lora_rank))
     kw.update(cfg.extra)

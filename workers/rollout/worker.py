@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -14,7 +15,7 @@ from workers.agent.options import AgentOptions
 from workers.batch import Batch
 from workers.config import build
 from workers.rollout import route_capture
-from workers.rollout.config import EngineConfig, cuda_available, llm_kwargs, prepare_env
+from workers.rollout.config import EngineConfig, cuda_available, is_vision_language, llm_kwargs, prepare_env
 from workers.rollout.control import SyncEndpoint
 from workers.rollout.cpu import engine_ops
 from workers.rollout.prompts import as_batch, build_output, normalise
@@ -55,6 +56,10 @@ class RolloutWorker:
                 torch.set_num_threads(cfg.num_threads)
         from vllm import LLM
 
+        if is_vision_language(cfg.model_path):
+            from workers.vision.vllm_model import register
+
+            register()  # Qwen2-VL without torchvision (workers/vision/hf_compat.py)
         t0 = time.perf_counter()
         set_threads = torch.set_num_threads
         try:
@@ -122,6 +127,9 @@ class RolloutWorker:
         one = sp if per == sp.n else sp.with_(n=1)
         params = [one.to_vllm(seed=None if sp.seed is None else sp.seed + i * per) for i in range(len(p.ids) * copies)]
         reqs = [{"prompt_token_ids": ids} for ids in p.ids for _ in range(copies)]
+        images = p.source.meta.get("images")
+        if images is not None:
+            self._attach_images(reqs, p.ids, images, copies)
         t1 = time.perf_counter()
         if self.cfg.return_routed_experts:
             self.llm.collective_rpc(route_capture.clear)
@@ -131,6 +139,8 @@ class RolloutWorker:
             route_capture.attach(results, self.llm.collective_rpc(route_capture.take)[0])
         comps = [[c for r in results[i:i + copies] for c in sorted(r.outputs, key=lambda c: c.index)]
                  for i in range(0, len(results), copies)]
+        if images is not None:  # the engine expanded each image token into the image's patch tokens
+            p = dataclasses.replace(p, ids=[list(results[i].prompt_token_ids) for i in range(0, len(results), copies)])
         out = build_output(p, comps, sp.n, self.pad_id, tokenizer=None if sp.stop else self.tokenizer)
         n_tok = int(out.tensors["response_mask"].sum())
         out.info.update({
@@ -140,6 +150,19 @@ class RolloutWorker:
             "rollout/tokens_per_s": n_tok / max(t2 - t1, 1e-9),
         })
         return out
+
+    def _attach_images(self, reqs: list[dict[str, Any]], ids: list[list[int]], images: Any, copies: int) -> None:
+        """Give each request its prompt's images (meta `images`: per prompt one image or a list)."""
+        from workers.vision.images import check_placeholders, prompt_images
+
+        if len(images) != len(ids):
+            raise ValueError(f"meta images has {len(images)} entries for {len(ids)} prompts")
+        token = self.llm.llm_engine.vllm_config.model_config.hf_config.image_token_id
+        for row, prompt_ids in enumerate(ids):
+            pil = prompt_images(images[row], row)
+            check_placeholders(prompt_ids, len(pil), token, row)
+            for k in range(copies):
+                reqs[row * copies + k]["multi_modal_data"] = {"image": pil}
 
     def generate_agent(self, prompts: Batch | Sequence[Any], sampling: SamplingConfig | dict | None = None,
                        agent: AgentOptions | dict[str, Any] | None = None) -> Batch:

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from rlhf.errors import UserError
+from workers.megatron.hf_fields import language_view
 
 
 def read_config_json(path: str | Path, setting: str, error: type[UserError] = UserError) -> dict:
@@ -23,4 +24,4 @@ def read_config_json(path: str | Path, setting: str, error: type[UserError] = Us
         raise error(f"{setting}: {cfg_file} line {e.lineno} is not valid JSON: {e.msg}") from None
     if not isinstance(config, dict):
         raise error(f"{setting}: {cfg_file} must hold a JSON object")
-    return config
+    return language_view(config)  # a vision-language model: its text model's fields at the top

@@ -15,6 +15,7 @@ from rlhf.errors import UserError
 from rlhf.paths import staged_output_dir
 from workers.dtypes import DTYPE_NAMES
 from workers.files import file_errors
+from workers.megatron.hf_fields import cfg_get
 
 # Files of a HF model folder that are not weights (copied alongside converted weights).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
@@ -31,12 +32,12 @@ def _copy_non_weight_files(src: Path, dst: Path) -> list[str]:
 
 
 def _load_config(folder: Path):
-    from transformers import AutoConfig
+    from workers.megatron.hf_fields import load_model_config
 
     if not (folder / "config.json").is_file():
         raise UserError(f"{folder} has no config.json")
     try:
-        return AutoConfig.from_pretrained(folder)
+        return load_model_config(folder)
     except Exception as e:
         raise UserError(f"cannot read {folder / 'config.json'}: {e}") from e
 
@@ -107,7 +108,7 @@ def hf_to_mcore(
     from workers.megatron.model_provider import DEFAULT_VOCAB_DIVISOR, padded_vocab_size
 
     cfg, dtype = validate_hf(hf_dir, tp, pp, dtype, ep)
-    padded = padded_vocab_size(cfg.vocab_size, tp, DEFAULT_VOCAB_DIVISOR)
+    padded = padded_vocab_size(cfg_get(cfg, "vocab_size"), tp, DEFAULT_VOCAB_DIVISOR)
     with staged_output_dir(out_dir, force) as tmp:  # renamed to out_dir when complete, removed on failure
         run_distributed(hf_to_mcore_rank, tp * pp * ep, args=(str(hf_dir), str(tmp), dtype, padded), tp=tp, pp=pp,
                         ep=ep, timeout_s=timeout_s)
@@ -124,8 +125,8 @@ def finish_mcore_checkpoint(
     from workers.megatron.model_provider import DEFAULT_VOCAB_DIVISOR
 
     meta = CheckpointMeta(
-        family=cfg.model_type, tp=tp, pp=pp, vocab_size=cfg.vocab_size, padded_vocab_size=padded,
-        vocab_divisible_by=DEFAULT_VOCAB_DIVISOR, dtype=dtype, tied=bool(cfg.tie_word_embeddings), ep=ep,
+        family=cfg_get(cfg, "model_type"), tp=tp, pp=pp, vocab_size=cfg_get(cfg, "vocab_size"), padded_vocab_size=padded,
+        vocab_divisible_by=DEFAULT_VOCAB_DIVISOR, dtype=dtype, tied=bool(cfg_get(cfg, "tie_word_embeddings")), ep=ep,
     )
     with file_errors(out, "write"):
         (out / HF_SUBDIR).mkdir(exist_ok=True)
@@ -227,5 +228,5 @@ def training_checkpoint_view(policy_dir: str | Path, view_dir: str | Path) -> Pa
         if tokenizer and Path(tokenizer).is_dir():
             _copy_non_weight_files(Path(tokenizer), view / HF_SUBDIR)
         finish_mcore_checkpoint(view, model, hf_cfg, tp, pp, cfg.policy.dtype,
-                                padded_vocab_size(hf_cfg.vocab_size, tp, DEFAULT_VOCAB_DIVISOR), ep)
+                                padded_vocab_size(cfg_get(hf_cfg, "vocab_size"), tp, DEFAULT_VOCAB_DIVISOR), ep)
     return view

@@ -9,14 +9,13 @@ from workers.files import file_errors
 
 def hf_to_mcore_rank(hf_dir: str, out_dir: str, dtype_name: str, padded_vocab: int) -> None:
     """Build this rank's model shard, fill it from the HF safetensors (streamed), save with dist_checkpointing."""
-    from transformers import AutoConfig
-
     from workers.dtypes import as_dtype
+    from workers.megatron.hf_fields import load_model_config
     from workers.megatron.hf_weights import load_hf_weights
     from workers.megatron.mcore_checkpoint import save_model
     from workers.megatron.model_provider import build_gpt_model
 
-    cfg = AutoConfig.from_pretrained(hf_dir)
+    cfg = load_model_config(hf_dir)
     model = build_gpt_model(
         cfg, dtype=as_dtype(dtype_name), padded_vocab=padded_vocab, perform_initialization=False
     )

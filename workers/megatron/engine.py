@@ -40,6 +40,7 @@ from workers.megatron import rope_positions
 from workers.megatron.ckpt_manifest import check_checkpoint, write_manifest
 from workers.megatron.cpu_compat import cuda_absent
 from workers.megatron.ep_align import Aligned, align_micros, round_columns
+from workers.megatron.hf_fields import cfg_get
 from workers.megatron.hf_weights import HFTensorSource
 from workers.megatron.lora_config import LoRAConfig
 from workers.megatron.masks import follow_mask
@@ -70,14 +71,14 @@ class MegatronEngine:
         lora: LoRAConfig | dict[str, Any] | None = None,
     ) -> None:
         from megatron.core import parallel_state as ps
-        from transformers import AutoConfig
 
+        from workers.megatron.hf_fields import load_model_config
         from workers.megatron.hf_map import family_of
         from workers.megatron.model_provider import build_gpt_model
 
         self.model_path = model_path
-        self.hf_config = AutoConfig.from_pretrained(model_path)
-        self.vocab_size = int(self.hf_config.vocab_size)
+        self.hf_config = load_model_config(model_path)
+        self.vocab_size = int(cfg_get(self.hf_config, "vocab_size"))
         self.dtype = as_dtype(dtype)
         self.value_head = value_head
         self.trainable = trainable
@@ -145,7 +146,7 @@ class MegatronEngine:
         src = HFTensorSource(path)
         try:
             if self.value_head:
-                src = _ValueHeadSource(src, int(self.hf_config.hidden_size))
+                src = _ValueHeadSource(src, int(cfg_get(self.hf_config, "hidden_size")))
             load_hf_weights(model, src, self.hf_config)
         finally:
             src.close()

@@ -1,5 +1,5 @@
 """HF <-> megatron-core name and layout map for the Llama, Mistral, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE,
-DeepSeek-V2 and DeepSeek-V3 families (defined once).
+DeepSeek-V2, DeepSeek-V3 and Qwen2-VL families (defined once).
 
 Used by the offline converter and the live weight sync (`workers/megatron/hf_weights.py`).
 
@@ -41,6 +41,9 @@ Layouts (megatron-core GPTModel, local or TE layer spec):
   `mlp.gate.e_score_correction_bias` <-> the router's fp32 buffer `mlp.router.expert_bias` (replicated; always
   float32 in HF files, `hf_dtype`). Multi-token-prediction layers (`model.layers.{N}.` for N >=
   num_hidden_layers) are skipped on import (`mtp_tensors`).
+- Qwen2-VL (config read through `hf_fields.language_view`): the language model is Qwen2's (same names
+  under `model.`); the vision tower `vision.*` (workers/vision/tower.py, first PP stage) <-> `visual.*`,
+  replicated over TP.
 - Value head (`ValueHead`, hidden -> 1): `output_layer.weight` <-> HF `score.weight` (as in
   *ForSequenceClassification with one label), replicated over TP.
 """
@@ -57,6 +60,7 @@ from workers.megatron import deepseek_config
 from workers.megatron.hf_fields import cfg_get as cfg_get  # re-exported: callers read config fields here
 from workers.megatron.hf_fields import rope_type
 from workers.megatron.value_head import ValueHead
+from workers.vision.tower import hf_shapes as vision_hf_shapes
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,7 @@ class Family:
     shared_expert: bool = False  # Qwen2-MoE's shared expert with its sigmoid gate
     mla: bool = False  # DeepSeek: multi-head latent attention, dense first layers, shared experts without a gate
     expert_bias: bool = False  # DeepSeek-V3: sigmoid router with the expert-bias correction
+    vision: bool = False  # Qwen2-VL: a vision tower (`vision.*` <-> `visual.*`, replicated) and M-RoPE
 
 
 FAMILIES: dict[str, Family] = {
@@ -81,6 +86,8 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family("qwen3_moe", qkv_bias=False, qk_norm=True, moe=True),
     "deepseek_v2": Family("deepseek_v2", qkv_bias=False, moe=True, mla=True),  # V3's layout; softmax router
     "deepseek_v3": Family("deepseek_v3", qkv_bias=False, moe=True, mla=True, expert_bias=True),
+    # Qwen2-VL: Qwen2's language model (read through `language_view`) with M-RoPE, plus the vision tower
+    "qwen2_vl": Family("qwen2_vl", qkv_bias=True, vision=True),
 }
 
 
@@ -114,6 +121,9 @@ def family_of(hf_config: Any) -> Family:
     if act != "silu":
         raise ValueError(f"hidden_act={act!r} is not supported (silu)")
     fam = FAMILIES[model_type]
+    if fam.vision and cfg_get(hf_config, "vision_config") is None:
+        raise ValueError(f"{model_type}: read the config through workers.megatron.hf_fields.language_view "
+                         "(its text fields are nested under text_config)")
     if fam.mla:
         deepseek_config.check_deepseek(hf_config, fam.name)
     else:
@@ -358,6 +368,8 @@ def expected_hf_shapes(hf_config: Any, value_head: bool = False) -> dict[str, tu
         this = moe_layer if d.moe_layers[i] else layer
         shapes.update({f"model.layers.{i}.{k}": v for k, v in this.items()})
     shapes["model.norm.weight"] = (d.hidden,)
+    if family_of(hf_config).vision:
+        shapes.update(vision_hf_shapes(cfg_get(hf_config, "vision_config")))
     if value_head:
         shapes["score.weight"] = (1, d.hidden)
     elif not d.tied:
@@ -456,6 +468,7 @@ def ep_layout() -> tuple[int, int, Any]:
         ps.get_expert_model_parallel_group()
 
 
+VISION_PREFIX, HF_VISION_PREFIX = "vision.", "visual."
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
@@ -476,6 +489,9 @@ def bind(model: torch.nn.Module, hf_config: Any) -> list[Binding]:
     tensors += [(n, b) for n, b in model.named_buffers() if n.endswith(EXPERT_BIAS_SUFFIX)]
     for name, param in tensors:
         if getattr(param, "lora_adapter", False):  # a LoRA factor: not an HF tensor (workers/megatron/lora.py)
+            continue
+        if name.startswith(VISION_PREFIX):  # the vision tower: HF's names under `visual.`, replicated
+            out.append(Binding(name, param, (HF_VISION_PREFIX + name[len(VISION_PREFIX):],), REPLICATED))
             continue
         m = _LAYER_RE.match(name)
         if m:

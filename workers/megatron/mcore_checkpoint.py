@@ -68,9 +68,9 @@ def read_meta(ckpt_dir: str | Path) -> CheckpointMeta:
 
 def load_hf_config(ckpt_dir: str | Path):
     """The HF config stored with a converted checkpoint."""
-    from transformers import AutoConfig
+    from workers.megatron.hf_fields import load_model_config
 
-    return AutoConfig.from_pretrained(Path(ckpt_dir) / HF_SUBDIR)
+    return load_model_config(Path(ckpt_dir) / HF_SUBDIR)
 
 
 def save_model(model: torch.nn.Module, ckpt_dir: str | Path) -> None:

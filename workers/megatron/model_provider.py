@@ -205,6 +205,7 @@ def build_gpt_model(
     vocab_divisible_by: int = DEFAULT_VOCAB_DIVISOR,
     padded_vocab: int | None = None,
     use_te: bool | None = None,
+    freeze_vision: bool = False,
     **config_overrides: Any,
 ):
     """Build the local (TP/PP-sharded) megatron `GPTModel` for the current rank from a HF config.
@@ -235,7 +236,15 @@ def build_gpt_model(
         from workers.megatron.context_parallel import with_context_parallel_attention
 
         spec = with_context_parallel_attention(spec)
-    model = GPTModel(
+    fam = family_of(hf_config)
+    vision: dict[str, Any] = {}
+    if fam.vision:  # Qwen2-VL: M-RoPE positions, and the vision tower on the first stage
+        from workers.vision.mcore_model import Qwen2VLGPTModel
+
+        config.mrope_section = list(rope_parameters(hf_config)[0]["mrope_section"])
+        vision = dict(vision_config=cfg_get(hf_config, "vision_config"),
+                      image_token_id=cfg_get(hf_config, "image_token_id"), freeze_vision=freeze_vision)
+    model = (Qwen2VLGPTModel if fam.vision else GPTModel)(  # type: ignore[possibly-undefined]
         config=config,
         transformer_layer_spec=spec,
         vocab_size=padded_vocab,
@@ -243,11 +252,12 @@ def build_gpt_model(
         pre_process=pre_process,
         post_process=post_process,
         share_embeddings_and_output_weights=tie,
-        position_embedding_type="rope",
+        position_embedding_type="mrope" if fam.vision else "rope",
         rotary_base=rope["theta"],
         rope_scaling=rope["type"] == "llama3",
         rope_scaling_factor=rope["factor"],
         seq_len_interpolation_factor=rope["factor"] if rope["type"] == "linear" else None,
+        **vision,
     )
     if rope["type"] == "llama3":
         emb = model.rotary_pos_emb
@@ -314,9 +324,11 @@ def position_ids_for(input_ids: torch.Tensor) -> torch.Tensor:
     return torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
 
 
-def forward_logits(model, input_ids: torch.Tensor, gather_tp: bool = True) -> torch.Tensor | None:
+def forward_logits(model, input_ids: torch.Tensor, gather_tp: bool = True,
+                   inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
     """Forward-only pass of one batch through the (possibly pipelined) model with the explicit causal
-    mask; collective over the model-parallel group.
+    mask; collective over the model-parallel group. `inputs`: further model inputs (a vision-language
+    model's `pixel_values` and `image_grid_thw`, workers/vision/inputs.py).
 
     Returns on the last PP stage the logits [b, s, padded_vocab] (gathered over TP when `gather_tp`, or
     values [b, s, 1] for a value model), None on other stages.
@@ -331,7 +343,7 @@ def forward_logits(model, input_ids: torch.Tensor, gather_tp: bool = True) -> to
 
     def step(data_iter, mdl):
         ids = next(data_iter)
-        out = mdl(input_ids=ids, position_ids=position_ids_for(ids), attention_mask=mask)
+        out = mdl(input_ids=ids, position_ids=position_ids_for(ids), attention_mask=mask, **(inputs or {}))
         return out, None
 
     model.eval()

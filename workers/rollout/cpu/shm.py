@@ -179,9 +179,9 @@ class ShmTransport(Transport):
 def _model_bytes(rollout: Any) -> int | None:
     """Bytes of the full model in the engines' dtype, from the HF config at the engines' model path."""
     try:
-        from transformers import AutoConfig
+        from workers.megatron.hf_fields import load_model_config
 
-        hf_config = AutoConfig.from_pretrained(rollout.cfg.model_path)
+        hf_config = load_model_config(rollout.cfg.model_path)
         return ShmLayout.from_hf_config(hf_config, rollout.dtype).nbytes
     except Exception as exc:  # noqa: BLE001 - unsupported or unreadable: not shm
         log.debug("weight sync: model size unknown: %s", exc)

@@ -6,7 +6,8 @@ bad inputs (``None``, empty strings, a non-numeric ground truth, ...): they scor
 exception escaping a user-registered function is caught the same way (score 0, reason ``error: ...``)
 and logged, so one odd sample cannot stop a training run.
 
-Built-ins: ``math_exact_match`` (alias ``exact_match``), ``boxed_format``, ``think_answer_format``.
+Built-ins: ``math_exact_match`` (alias ``exact_match``), ``text_exact_match``, ``boxed_format``,
+``think_answer_format``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ __all__ = [
     "extract_answer",
     "parse_number",
     "math_exact_match",
+    "text_exact_match",
     "format_reward",
     "combine_rewards",
 ]
@@ -250,6 +252,22 @@ def _math_exact_match(prompt: Any, response: Any, ground_truth: Any) -> RewardRe
 
 math_exact_match = register_reward("math_exact_match")(_math_exact_match)
 _REGISTRY["exact_match"] = math_exact_match
+
+
+def _text_exact_match(prompt: Any, response: Any, ground_truth: Any) -> RewardResult:
+    """1.0 iff the response, stripped of surrounding whitespace and a final full stop, equals the ground
+    truth ignoring case: one-word answers ("red", "2") of tasks whose answers are not all numbers."""
+    if not isinstance(response, str) or not response.strip():
+        return RewardResult(0.0, "empty response")
+    if ground_truth is None or not str(ground_truth).strip():
+        return RewardResult(0.0, "no ground truth")
+    got, want = response.strip().rstrip(".").strip().lower(), str(ground_truth).strip().lower()
+    if got == want:
+        return RewardResult(1.0, "correct")
+    return RewardResult(0.0, f"wrong ({got[:30]!r} != {want[:30]!r})")
+
+
+text_exact_match = register_reward("text_exact_match")(_text_exact_match)
 
 
 # ---------------------------------------------------------------------------------------- format rewards

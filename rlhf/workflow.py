@@ -32,6 +32,7 @@ from workers.megatron.optim_config import OptimSettings
 from workers.roles.loss_config import PPOLossConfig, ValueLossConfig
 from workers.roles.options import MegatronOptions
 from workers.roles.routes import POLICY_ROUTES_KEY, ROUTES_KEY
+from workers.vision.inputs import IMAGE_KEYS
 
 
 def loss_config(cfg: RunConfig) -> PPOLossConfig:
@@ -84,6 +85,14 @@ def role_group(role: str, rc: RoleConfig, cfg: RunConfig, run_dir: Path, worker_
     )
 
 
+RESPONSE_KEYS = ["input_ids", "attention_mask", "responses", "response_mask"]
+
+
+def model_view(batch: Batch, keys: list[str]) -> Batch:
+    """`keys` of the batch plus the image inputs a vision-language model takes (when the batch has them)."""
+    return batch.select([*keys, *(k for k in IMAGE_KEYS if k in batch)])
+
+
 class PolicyHandle:
     """The policy (or reference) worker group; log-probs are taken at the rollout's `temperature`. With
     `routes` (the policy of an MoE run whose engine records its routing) the rollout's `routed_experts` go
@@ -94,9 +103,8 @@ class PolicyHandle:
         self.group, self.temperature, self.routes = group, temperature, routes
 
     def logprobs(self, batch: Batch, key: str = "old_logprobs", entropy: bool = False) -> Batch:
-        keys = ["input_ids", "attention_mask", "responses", "response_mask"]
         routed = self.routes and ROUTES_KEY in batch
-        out = self.group.compute_logprobs(batch.select([*keys, ROUTES_KEY] if routed else keys),
+        out = self.group.compute_logprobs(model_view(batch, [*RESPONSE_KEYS, ROUTES_KEY] if routed else RESPONSE_KEYS),
                                           with_entropy=entropy, key=key, temperature=self.temperature)
         batch[key] = out[key]
         if entropy:
@@ -130,7 +138,7 @@ class CriticHandle(PolicyHandle):
         return self.group.train_step(batch, loss)
 
     def values(self, batch: Batch) -> Batch:
-        out = self.group.compute_values(batch.select(["input_ids", "attention_mask", "responses", "response_mask"]))
+        out = self.group.compute_values(model_view(batch, RESPONSE_KEYS))
         batch["values"] = out["values"]
         return batch
 
@@ -147,7 +155,7 @@ class RewardHandle:
         if "env_reward" in batch:  # an environment scored the trajectories (rollout.env)
             batch["scores"] = torch.tensor(batch["env_reward"], dtype=torch.float32)
         elif self.model_group is not None:
-            batch["scores"] = self.model_group.compute_scores(batch.select(["input_ids", "attention_mask"]))["scores"]
+            batch["scores"] = self.model_group.compute_scores(model_view(batch, ["input_ids", "attention_mask"]))["scores"]
         elif self.scorer is not None:
             gts = batch["ground_truth"] if "ground_truth" in batch else [None] * len(batch)
             batch["scores"] = self.scorer.score(batch["prompt"], batch["response_text"], gts)
@@ -173,10 +181,13 @@ class RewardHandle:
 
 
 def prompt_batch(records: list[dict[str, Any]]) -> Batch:
-    """Prompt records from `rlhf.data.prompts` as a Batch: chat `messages` (or raw `prompt`) and `ground_truth`."""
+    """Prompt records from `rlhf.data.prompts` as a Batch: chat `messages` (or raw `prompt`), `ground_truth`,
+    and `images` when the records have some."""
     use_messages = all(r.get("messages") for r in records)
     meta = {"messages": [r["messages"] for r in records]} if use_messages else {"prompt": [r["prompt"] for r in records]}
     meta["ground_truth"] = [r.get("ground_truth") for r in records]
+    if any(r.get("images") for r in records):  # image prompts: each one's images go to the engines
+        meta["images"] = [list(r.get("images") or []) for r in records]
     return Batch(meta=meta)
 
 

@@ -103,7 +103,7 @@ class RolloutConfig(SamplingConfig, EngineOptions, SyncOptions, AgentOptions):
 
 @dataclass
 class DataConfig:
-    task: str | None = None  # arithmetic | multiply_tool | code_functions: generate the example task's data under the run dir
+    task: str | None = None  # arithmetic | multiply_tool | code_functions | shapes: generate the example task's data under the run dir
     train_file: str | None = None  # jsonl or parquet
     val_file: str | None = None  # held-out prompts; or split off the train file by val_size
     val_size: int = 0

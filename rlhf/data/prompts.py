@@ -1,7 +1,9 @@
 """RL prompt sets: `load_prompt_dataset` (local jsonl or parquet, never a hub) and the resumable `PromptLoader`.
 
 Each prompt is `{"prompt": str | None, "messages": list[{"role", "content"}] | None, "ground_truth": str}`:
-raw-text prompts fill `prompt`, chat prompts (`messages_key` set) fill `messages`. With a `PromptLimit`,
+raw-text prompts fill `prompt`, chat prompts (`messages_key` set) fill `messages`. Prompts read from
+WebDataset shards (vision-language tasks) also carry `images` (encoded bytes) and their messages' content
+may be a list of image and text parts. With a `PromptLimit`,
 prompts too long for the model's context are dropped (counted) or refused when the file is read.
 """
 
@@ -88,6 +90,35 @@ def _as_messages(value: Any, where: str, key: str) -> list[dict[str, str]]:
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
+def is_shard_source(path: str | Path) -> bool:
+    """True for WebDataset shards (a folder of .tar shards, one .tar, or a brace pattern)."""
+    p = Path(path)
+    return p.is_dir() or p.suffix == ".tar" or "{" in str(path)
+
+
+def read_shard_prompts(path: str | Path, limit: PromptLimit | None = None) -> list[PromptRecord]:
+    """RL prompts from LLaVA-format WebDataset shards (`rlhf preprocess --format llava`): each sample's
+    conversation without its final assistant turn is the prompt, that turn the ground truth; the images ride
+    along as encoded bytes (`images`)."""
+    from rlhf.data.llava_shards import iter_llava_shards
+
+    out: list[PromptRecord] = []
+    wheres: list[str] = []
+    for sample in iter_llava_shards(path):
+        msgs = sample["messages"]
+        where = f"{path} sample {sample['key']} (id {sample['id']!r})"
+        if len(msgs) < 2 or msgs[-1]["role"] != "assistant":
+            raise UserError(f"{where}: the conversation must end with the assistant's answer (the ground truth)")
+        out.append({"prompt": None, "messages": msgs[:-1], "ground_truth": str(msgs[-1]["content"]),
+                    "images": list(sample["images"])})
+        wheres.append(where)
+    if limit is not None and out:
+        out = limit.apply(out, wheres, Path(path))
+    if not out:
+        raise UserError(f"{path}: no prompts")
+    return out
+
+
 def read_prompt_file(
     path: str | Path,
     prompt_key: str = "prompt",
@@ -96,7 +127,10 @@ def read_prompt_file(
     limit: PromptLimit | None = None,
 ) -> list[PromptRecord]:
     """All prompts of one file, fields mapped; a missing key names the key and the first offending line.
-    With `limit`, over-long prompts are dropped or refused (see PromptLimit)."""
+    With `limit`, over-long prompts are dropped or refused (see PromptLimit). WebDataset shards (image
+    prompts): `read_shard_prompts`."""
+    if is_shard_source(path):
+        return read_shard_prompts(path, limit)
     p = check_input_file(path, "prompt file")
     unit = "row" if p.suffix.lower() == ".parquet" else "line"
     source_key = messages_key or prompt_key

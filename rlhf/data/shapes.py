@@ -5,7 +5,9 @@ a 2 x 2 grid so none overlap. Two kinds of questions, answered in one word:
 - "What colour is the triangle?" -> "red" (the asked shape appears exactly once);
 - "How many circles?" -> "2".
 `llava_records` writes the task in LLaVA's format (a JSON list of {"id", "image", "conversations"}), the
-input of `rlhf preprocess --format llava`.
+input of `rlhf preprocess --format llava`; `write_shapes_data` (`data.task: shapes`) writes train and
+validation sets that way and packs them into WebDataset shards, the RL prompt sources `rl_train/` and
+`rl_val/`.
 """
 
 from __future__ import annotations
@@ -97,3 +99,18 @@ def llava_records(items: list[ShapeItem], image_dir: str | Path, json_path: str 
             {"from": "human", "value": f"<image>\n{item.question}"}, {"from": "gpt", "value": item.answer}]})
     json_path.write_text(json.dumps(records, indent=1))
     return json_path
+
+
+TRAIN_ITEMS = 2000
+
+
+def write_shapes_data(data_dir: str | Path, seed: int = 0, val_size: int = 64) -> None:
+    """The shapes task's RL data under `data_dir`: LLaVA records and images (`llava_train.json`, `images/`),
+    then WebDataset shards `rl_train/` and `rl_val/` (the validation items drawn with another seed)."""
+    from rlhf.data.llava_shards import write_llava_shards
+
+    data_dir = Path(data_dir)
+    for name, items in (("train", make_items(TRAIN_ITEMS, seed)), ("val", make_items(val_size, seed + 10_000))):
+        images = data_dir / f"images_{name}"
+        records = llava_records(items, images, data_dir / f"llava_{name}.json")
+        write_llava_shards(records, images, data_dir / f"rl_{name}", shard_size=500, strict=True)

@@ -30,7 +30,11 @@ TASKS = {
     "arithmetic": ("rlhf.data.arithmetic:write_arithmetic_data", 200, False),
     "multiply_tool": ("rlhf.data.tool_tasks:write_multiply_tool_data", 200, True),
     "code_functions": ("rlhf.data.code_tasks:write_code_data", 100, True),
+    "shapes": ("rlhf.data.shapes:write_shapes_data", 64, False),  # image prompts in WebDataset shards
 }
+# The RL prompt files a task writes (train, val) under the run's data dir: jsonl, or shard folders
+RL_FILES = {"shapes": ("rl_train", "rl_val")}
+DEFAULT_RL_FILES = ("rl_train.jsonl", "rl_val.jsonl")
 
 
 def _task_data(cfg: RunConfig, out: Path) -> None:
@@ -47,7 +51,8 @@ def _task_data(cfg: RunConfig, out: Path) -> None:
     module, _, fn = spec.partition(":")
     write = getattr(importlib.import_module(module), fn)
     data_dir = out / "data"
-    if not (data_dir / "rl_val.jsonl").is_file():
+    rl_train, rl_val = RL_FILES.get(d.task, DEFAULT_RL_FILES)
+    if not (data_dir / rl_val).exists():
         write(data_dir, seed=d.seed, val_size=d.val_size or default_val)
     if cfg.algorithm.name in PAIR_STAGES:
         from rlhf.data.arithmetic import write_preference_data
@@ -59,7 +64,7 @@ def _task_data(cfg: RunConfig, out: Path) -> None:
         d.train_file, d.val_file = str(data_dir / f"{name}_train.jsonl"), str(data_dir / f"{name}_val.jsonl")
         d.val_size = 0
     elif cfg.algorithm.name in ("grpo", "ppo"):
-        d.train_file, d.val_file, d.val_size = str(data_dir / "rl_train.jsonl"), str(data_dir / "rl_val.jsonl"), 0
+        d.train_file, d.val_file, d.val_size = str(data_dir / rl_train), str(data_dir / rl_val), 0
     elif cfg.algorithm.name == "sft":
         d.train_file, d.val_file = str(data_dir / "sft_train.jsonl"), str(data_dir / "sft_val.jsonl")
     elif not d.data_prefix:  # pretrain: tokenise the task text into Megatron's indexed format once

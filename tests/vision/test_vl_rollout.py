@@ -54,6 +54,13 @@ def test_image_prompts_match_transformers(vl_engine, vl_path):
         want = proc(text=[text], images=[item.image], return_tensors="pt")["input_ids"][0]
         prompt = out["input_ids"][2 * row][:-r][out["attention_mask"][2 * row][:-r].bool()]
         assert torch.equal(prompt, want) and int((prompt == image_token).sum()) == 16
+    # The policy's image inputs ride along, per row: the processor's patches and grid of the row's image.
+    for row, item in enumerate(items):
+        enc = proc.image_processor(images=[item.image], return_tensors="pt")
+        n = enc["pixel_values"].shape[0]
+        for k in (2 * row, 2 * row + 1):
+            assert torch.equal(out["image_grid_thw"][k, :1], enc["image_grid_thw"])
+            assert torch.equal(out["pixel_values"][k, :n], enc["pixel_values"])
     hf = _hf_first_logprobs(vl_path, items, proc)
     first = out["responses"][::2, 0]
     assert torch.equal(first, hf.argmax(-1))
@@ -76,3 +83,32 @@ def test_placeholder_count_is_checked(vl_engine):
         vl_engine.generate(Batch(meta={"messages": [messages(items[0], with_answer=False)],
                                        "images": [[items[0].image, items[0].image]]}),
                            SamplingConfig(n=1, max_tokens=1))
+
+
+def test_weight_update_reaches_the_vision_tower_and_tied_head(vl_engine, vl_path, tmp_path):
+    """Load changed vision-tower and (tied) embedding weights into the running engine: its log-probs are then
+    those of transformers on the changed checkpoint (stale image features or a stale LM head would show)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    items = make_items(3, seed=1)
+    prompts = Batch(meta={"messages": [messages(it, with_answer=False) for it in items],
+                          "images": [it.image for it in items]})
+    before = vl_engine.generate(prompts, SamplingConfig(n=1, max_tokens=1, temperature=0.0))
+    sd = load_file(f"{vl_path}/model.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    changed = {k: v + 0.05 * torch.randn(v.shape, generator=gen) if k.startswith(("visual.", "model.embed_tokens"))
+               else v for k, v in sd.items()}
+    shutil.copytree(vl_path, tmp_path / "changed")
+    save_file(changed, tmp_path / "changed" / "model.safetensors", metadata={"format": "pt"})
+    try:
+        assert vl_engine.load_weights(list(changed.items())) == len(sd)
+        after = vl_engine.generate(prompts, SamplingConfig(n=1, max_tokens=1, temperature=0.0))
+        hf = _hf_first_logprobs(str(tmp_path / "changed"), items, load_processor(vl_path))
+        first = after["responses"][:, 0]
+        assert torch.equal(first, hf.argmax(-1))
+        assert torch.allclose(after["rollout_logprobs"][:, 0], hf.gather(1, first[:, None])[:, 0], atol=1e-4)
+        assert not torch.allclose(after["rollout_logprobs"][:, 0], before["rollout_logprobs"][:, 0], atol=1e-3)
+    finally:
+        vl_engine.load_weights(list(sd.items()))

@@ -69,6 +69,7 @@ class MegatronEngine:
         sequence_parallel: bool = False,
         moe: MoEConfig | dict[str, Any] | None = None,
         lora: LoRAConfig | dict[str, Any] | None = None,
+        freeze_vision: bool = False,
     ) -> None:
         from megatron.core import parallel_state as ps
 
@@ -94,6 +95,8 @@ class MegatronEngine:
             overrides.update(self.moe.transformer_overrides(pp))
             if self.tp > 1:  # megatron trains MoE layers at TP > 1 only with sequence parallelism
                 overrides.update(sequence_parallel=True)
+        if family_of(self.hf_config).vision:
+            overrides["freeze_vision"] = freeze_vision
         model = build_gpt_model(self.hf_config, dtype=self.dtype, value_head=value_head, **overrides)
         model.to(self.device)
         if load_weights:
@@ -238,6 +241,7 @@ class MegatronEngine:
                                    "use pack_sequences=True instead of 'prefix'")
             follow_mask(model, mb.attention_mask)
             extra = {} if run.padding is None else {"padding_mask": run.padding}
+            extra.update(mb.model_inputs)
             if self.routing is not None:
                 self.routing.set(mb.routes)
             ids, positions, mask = mb.input_ids, mb.position_ids, mb.attention_mask

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,3 +19,5 @@ class Micro:
     explicit_positions: bool = False  # RoPE at `position_ids` (rows that are not one contiguous sequence)
     # MoE routing replay: the experts to use per token [b, s, layers, top-k] (-1: the router's own choice)
     routes: torch.Tensor | None = None
+    # further model inputs, per row (a vision-language model's `pixel_values` / `image_grid_thw`)
+    model_inputs: dict[str, torch.Tensor] = field(default_factory=dict)

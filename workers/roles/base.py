@@ -74,7 +74,7 @@ class MegatronWorker(Worker):
         self.engine = MegatronEngine(o.model_path, dtype=o.dtype, value_head=self.value_head, trainable=self.trainable,
                                      optim=o.optim, moe=o.moe, lora=o.lora, load_weights=o.load_weights,
                                      recompute=o.recompute, recompute_num_layers=o.recompute_num_layers,
-                                     sequence_parallel=o.sequence_parallel)
+                                     sequence_parallel=o.sequence_parallel, freeze_vision=o.freeze_vision)
         self._log(describe(self.engine.config, self.engine.optim if self.trainable else None, self.engine.cp))
         pack = o.pack_sequences
         if pack is None:

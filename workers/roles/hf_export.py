@@ -16,7 +16,6 @@ tokenizers); a tokenizer whose pad is its eos gets a warning, since HF would the
 
 from __future__ import annotations
 
-import copy
 import logging
 import shutil
 from pathlib import Path
@@ -25,7 +24,8 @@ from typing import Any
 import torch
 
 log = logging.getLogger("workers")
-_EXTRA_FILES = ("generation_config.json",)
+# copied from the model folder: generation defaults, and a vision-language model's image processor
+_EXTRA_FILES = ("generation_config.json", "preprocessor_config.json")
 ADAPTER_SUBDIR = "adapter"  # a LoRA model's PEFT adapter folder inside the export
 
 
@@ -57,7 +57,9 @@ def _write_stage(engine: Any, out: Path) -> tuple[str, list[str]] | None:
 
 
 def _write_side_files(engine: Any, out: Path, tokenizer_path: str | None) -> None:
-    cfg = copy.deepcopy(engine.hf_config)
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(engine.model_path)  # as written (engine.hf_config may be its language view)
     cfg.torch_dtype = engine.dtype
     tokenizer = None
     if tokenizer_path:

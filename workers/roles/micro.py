@@ -16,6 +16,9 @@ model output is gathered back to [b, R, ...] by `response_slice`. Prefix sharing
 roles' default where the model's RoPE takes explicit positions): the samples of one prompt share one copy
 of it in a packed row (`prefix_shared_micros`).
 
+Image batches (a vision-language policy: `pixel_values` / `image_grid_thw` in the batch, workers/vision/
+inputs.py) run unpacked, each micro-batch taking its rows' image inputs as `Micro.model_inputs`.
+
 MoE routing (`token_map=True`): each micro-batch also carries `_token_of` [its samples, P+R], where each
 real token of a sample sits in the micro-batch's flattened [b * s] token block (-1: padding), so per-token
 routes move between the batch's layout and the micro-batch's (`workers.roles.routes`); a batch's
@@ -33,6 +36,7 @@ from workers.megatron.engine import Micro
 from workers.megatron.masks import causal_mask
 from workers.roles.base import MegatronWorker
 from workers.roles.routes import POLICY_ROUTES_KEY, ROUTES_KEY, attach_routes, batch_routes
+from workers.vision.inputs import IMAGE_KEYS
 
 
 def attention_mask_4d(attn: torch.Tensor) -> torch.Tensor:
@@ -72,6 +76,9 @@ def response_micros(batch: Batch, micro_batch_size: int, keys: list[str], device
     r = batch["responses"].shape[1]
     p = batch["input_ids"].shape[1] - r
     plain = [k for k in keys if k != ROUTES_KEY]
+    images = [k for k in IMAGE_KEYS if k in batch]
+    if images:
+        pack = False  # image rows run as they are: their patches and grids are per row (workers/vision/inputs.py)
     if pack == "prefix":
         out = prefix_shared_micros(batch, p, max(1, micro_batch_size), plain, device)
     elif pack:
@@ -87,6 +94,7 @@ def response_micros(batch: Batch, micro_batch_size: int, keys: list[str], device
             rows = torch.arange(len(chunk))[:, None] * s
             inside = (cols >= 0) & (cols < s) & chunk["attention_mask"].bool()
             micro.fields["_token_of"] = torch.where(inside, rows + cols, -1)
+            micro.model_inputs = {k: chunk[k].to(device) for k in images}
             out.append(micro)
     if ROUTES_KEY in keys and ROUTES_KEY in batch:
         attach_routes(out, batch[ROUTES_KEY])

@@ -28,6 +28,7 @@ class RoleOptions:
     recompute: str = "none"
     recompute_num_layers: int = 1
     sequence_parallel: bool = False
+    freeze_vision: bool = False  # vision-language models: keep the vision tower's weights fixed (train the rest)
 
 
 @dataclass

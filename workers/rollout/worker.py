@@ -56,7 +56,8 @@ class RolloutWorker:
                 torch.set_num_threads(cfg.num_threads)
         from vllm import LLM
 
-        if is_vision_language(cfg.model_path):
+        self.vision = is_vision_language(cfg.model_path)
+        if self.vision:
             from workers.vision.vllm_model import register
 
             register()  # Qwen2-VL without torchvision (workers/vision/hf_compat.py)
@@ -142,6 +143,8 @@ class RolloutWorker:
         if images is not None:  # the engine expanded each image token into the image's patch tokens
             p = dataclasses.replace(p, ids=[list(results[i].prompt_token_ids) for i in range(0, len(results), copies)])
         out = build_output(p, comps, sp.n, self.pad_id, tokenizer=None if sp.stop else self.tokenizer)
+        if images is not None:
+            out.tensors.update(self._image_inputs(images, sp.n))
         n_tok = int(out.tensors["response_mask"].sum())
         out.info.update({
             "rollout/generate_s": t2 - t1,
@@ -161,8 +164,22 @@ class RolloutWorker:
         for row, prompt_ids in enumerate(ids):
             pil = prompt_images(images[row], row)
             check_placeholders(prompt_ids, len(pil), token, row)
+            if not pil:
+                continue
             for k in range(copies):
                 reqs[row * copies + k]["multi_modal_data"] = {"image": pil}
+
+    def _image_inputs(self, images: Any, n: int) -> dict[str, torch.Tensor]:
+        """`pixel_values` / `image_grid_thw` per output row (the policy's image inputs, workers/vision/inputs.py),
+        from the processor of the engine's model: the patches the engine itself computed from."""
+        from workers.vision.hf_compat import load_processor
+        from workers.vision.images import prompt_images
+        from workers.vision.inputs import encode_images
+
+        if getattr(self, "_image_processor", None) is None:
+            self._image_processor = load_processor(self.cfg.model_path).image_processor
+        px, grid = encode_images(self._image_processor, [prompt_images(x, i) for i, x in enumerate(images)])
+        return {"pixel_values": px.repeat_interleave(n, 0), "image_grid_thw": grid.repeat_interleave(n, 0)}
 
     def generate_agent(self, prompts: Batch | Sequence[Any], sampling: SamplingConfig | dict | None = None,
                        agent: AgentOptions | dict[str, Any] | None = None) -> Batch:
@@ -240,11 +257,19 @@ class RolloutWorker:
             self.dirty = f"{type(exc).__name__}: {exc}"
             raise
         self.dirty = None
-        self.llm.reset_prefix_cache()
+        self.forget_cached_outputs()
         return n
 
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
+
+    def forget_cached_outputs(self) -> None:
+        """After a weight update: drop what the old weights computed, the prefix cache's KV blocks and, for a
+        vision-language model, the encoder cache's image features (without this vLLM keeps the features'
+        bookkeeping but not the features: "Encoder cache miss" on the next image prompt)."""
+        self.llm.reset_prefix_cache()
+        if self.vision:
+            self.llm.llm_engine.reset_encoder_cache()
 
     def load_lora_adapter(self, adapter: dict[str, Any]) -> dict[str, Any]:
         """Serve the policy's LoRA adapter from now on (`workers.megatron.lora_peft.gather_peft_adapter`'s
@@ -285,7 +310,7 @@ class RolloutWorker:
         t0 = time.perf_counter()
         try:
             stats = self.llm.collective_rpc(receive_on_vllm_worker, args=(session, self.rank, self.cfg.tp))[0]
-            self.llm.reset_prefix_cache()
+            self.forget_cached_outputs()
         except BaseException as exc:
             self.dirty = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             raise

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+IMAGE_KEYS = ("pixel_values", "image_grid_thw")  # the Batch tensors a vision-language model takes
+
 
 def split_rows(pixel_values: torch.Tensor, image_grid_thw: torch.Tensor,
                images_per_row: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from megatron.core.models.gpt import GPTModel
 
-from workers.vision.mrope import mrope_positions
+from workers.vision.mrope import image_mask, mrope_positions
 from workers.vision.tower import VisionTower
 
 
@@ -57,11 +57,11 @@ class Qwen2VLGPTModel(GPTModel):
             decoder_input = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h]
             if pixel_values is not None and bool((image_grid_thw[..., 0] > 0).any()):
                 features = self.image_features(pixel_values, image_grid_thw).to(decoder_input.dtype)
-                where = (input_ids == self.image_token_id).transpose(0, 1)  # [s, b], the embedding's order
+                where = image_mask(input_ids, image_grid_thw, self.image_token_id)  # [b, s]
                 if int(where.sum()) != features.shape[0]:
                     raise ValueError(f"{int(where.sum())} image tokens but {features.shape[0]} image features")
-                # Image features in row order: transpose to [b, s] order for the scatter, then back.
+                # Image features in row order: the scatter runs in [b, s] order, the embedding is [s, b].
                 flat = decoder_input.transpose(0, 1).clone()
-                flat[where.transpose(0, 1)] = features
+                flat[where] = features
                 decoder_input = flat.transpose(0, 1).contiguous()
         return super().forward(input_ids, positions, attention_mask, decoder_input, *args, **kwargs)

@@ -23,20 +23,40 @@ def _runs(mask: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(starts, ends))
 
 
+def image_runs(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, image_token_id: int,
+               ) -> list[list[tuple[tuple[int, int], list[int]]]]:
+    """Per row, each image's token run [start, end) with its grid, in order. A row may hold more runs than
+    images: image tokens the model generated in its response are text (as in the engine), not images. A
+    row with fewer runs than grids is refused."""
+    out = []
+    for r in range(input_ids.shape[0]):
+        grids = [g for g in image_grid_thw[r].tolist() if g[0] > 0]
+        runs = _runs(input_ids[r] == image_token_id)
+        if len(runs) < len(grids):
+            raise ValueError(f"row {r}: {len(runs)} image token runs but {len(grids)} image grids")
+        out.append(list(zip(runs, grids)))
+    return out
+
+
+def image_mask(input_ids: torch.Tensor, image_grid_thw: torch.Tensor, image_token_id: int) -> torch.Tensor:
+    """[b, s] True on the tokens that take image features (the images' runs, not generated image tokens)."""
+    mask = torch.zeros_like(input_ids, dtype=torch.bool)
+    for r, row in enumerate(image_runs(input_ids, image_grid_thw, image_token_id)):
+        for (a, e), _ in row:
+            mask[r, a:e] = True
+    return mask
+
+
 def mrope_positions(input_ids: torch.Tensor, positions: torch.Tensor, image_grid_thw: torch.Tensor,
                     image_token_id: int, merge: int) -> torch.Tensor:
     """[3, b, s] positions from `input_ids` [b, s], the ordinary `positions` [b, s] and `image_grid_thw`
     [b, images, 3] (each row's images in order; all-zero rows are padding). ValueError when a row's image
-    token runs do not match its grids."""
+    token runs do not match its grids (`image_runs`)."""
     b, s = input_ids.shape
     out = positions.unsqueeze(0).expand(3, b, s).clone()
-    for r in range(b):
-        grids = [g for g in image_grid_thw[r].tolist() if g[0] > 0]
-        runs = _runs(input_ids[r] == image_token_id)
-        if len(runs) != len(grids):
-            raise ValueError(f"row {r}: {len(runs)} image token runs but {len(grids)} image grids")
+    for r, row in enumerate(image_runs(input_ids, image_grid_thw, image_token_id)):
         restart = (torch.diff(positions[r]) <= 0).nonzero().flatten().add(1).tolist() + [s]
-        for (a, e), (t, h, w) in zip(runs, grids):
+        for (a, e), (t, h, w) in row:
             hh, ww = h // merge, w // merge
             if e - a != t * hh * ww:
                 raise ValueError(f"row {r}: an image run of {e - a} tokens for a grid {t}x{h}x{w} "

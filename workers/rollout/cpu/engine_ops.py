@@ -92,8 +92,10 @@ def abort_reload(worker: Any) -> None:
 
 
 def refresh_tied_head(worker: Any) -> bool:
-    """Re-pack a tied LM head from the (reloaded) embedding weight; True when there was one."""
+    """Re-pack a tied LM head from the (reloaded) embedding weight; True when there was one. A vision-language
+    model (vLLM's Qwen2-VL) holds its causal LM as `language_model`."""
     model = get_model(worker)
+    model = getattr(model, "language_model", model)
     head = getattr(model, "lm_head", None)
     inner = getattr(model, "model", None)
     emb = getattr(inner, "embed_tokens", None)

@@ -41,10 +41,10 @@ from .rewards import (
     get_reward_fn,
     list_rewards,
     math_exact_match,
-    text_exact_match,
     parse_number,
     register_reward,
     score_with_reason,
+    text_exact_match,
 )
 
 __all__ = [

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from rlhf.config.schema import RunConfig
 from rlhf.config.validate import PAIR_STAGES
 from rlhf.errors import ConfigError
+from workers.rollout.config import is_vision_language
 
 if TYPE_CHECKING:
     from rlhf.data.prompts import PromptLimit
@@ -108,13 +109,21 @@ def _model(cfg: RunConfig, out: Path) -> None:
         if not (warm / "model.safetensors").is_file():
             if not cfg.data.task:
                 raise ConfigError("model.warm_start_steps needs data.task (the task's Q/A pairs to fine-tune on)")
-            from rlhf.driver.warmstart import sft_warm_start
-
-            pairs = warm_start_items(cfg, out)
             shutil.rmtree(warm, ignore_errors=True)
             tmp = warm.with_name(warm.name + ".tmp")
-            sft_warm_start(base, pairs, tmp, steps=m.warm_start_steps, batch_size=m.warm_start_batch,
-                           lr=m.warm_start_lr, seed=cfg.trainer.seed, tools=rollout_tool_schemas(cfg))
+            if is_vision_language(str(base)):  # image prompts: the Qwen2-VL loop, on the RL records with images
+                from rlhf.data.prompts import load_prompt_dataset
+                from rlhf.driver.warmstart_vl import vl_sft_warm_start
+
+                records, _ = load_prompt_dataset(cfg.data.train_file, seed=cfg.data.seed)
+                vl_sft_warm_start(base, records, tmp, steps=m.warm_start_steps, batch_size=m.warm_start_batch,
+                                  lr=m.warm_start_lr, seed=cfg.trainer.seed)
+            else:
+                from rlhf.driver.warmstart import sft_warm_start
+
+                pairs = warm_start_items(cfg, out)
+                sft_warm_start(base, pairs, tmp, steps=m.warm_start_steps, batch_size=m.warm_start_batch,
+                               lr=m.warm_start_lr, seed=cfg.trainer.seed, tools=rollout_tool_schemas(cfg))
             tmp.rename(warm)
         m.path = str(warm)
 

@@ -1,0 +1,111 @@
+"""The warm start of a vision-language policy: `warmstart.py`'s plain-PyTorch SFT loop for Qwen2-VL, whose
+samples also carry images (the processor expands each image's token and computes its patches).
+
+Records are RL prompt records with `images` (rlhf.data.prompts: read from WebDataset shards): the prompt
+messages, the ground truth as the answer. The loss is on the answer and the end-of-turn token only.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workers.vision.images import prompt_images
+
+
+def _encode(proc: Any, rec: dict[str, Any], with_answer: bool = True) -> dict[str, torch.Tensor]:
+    images = prompt_images(rec.get("images") or [], 0)
+    prompt = proc.apply_chat_template(rec["messages"], add_generation_prompt=True, tokenize=False)
+    answer = f"{rec['ground_truth']}<|im_end|>" if with_answer else ""
+    enc = proc(text=[prompt + answer], images=images or None, return_tensors="pt")
+    n_prompt = proc(text=[prompt], images=images or None, return_tensors="pt")["input_ids"].shape[1]
+    ids = enc["input_ids"][0]
+    target = torch.zeros(ids.shape[0])
+    target[n_prompt:] = 1.0
+    out = {"input_ids": ids, "target": target, "mm_token_type_ids": enc["mm_token_type_ids"][0]}
+    if images:
+        out.update(pixel_values=enc["pixel_values"], image_grid_thw=enc["image_grid_thw"])
+    return out
+
+
+def _collate(items: list[dict[str, torch.Tensor]], pad: int, left: bool = False) -> dict[str, torch.Tensor]:
+    width = max(x["input_ids"].shape[0] for x in items)
+    ids = torch.full((len(items), width), pad, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    target = torch.zeros((len(items), width))
+    types = torch.zeros_like(ids)  # which tokens are image tokens: transformers' M-RoPE needs it
+    for i, x in enumerate(items):
+        n = x["input_ids"].shape[0]
+        cols = slice(width - n, width) if left else slice(0, n)
+        ids[i, cols], attn[i, cols], target[i, cols] = x["input_ids"], 1, x["target"]
+        types[i, cols] = x["mm_token_type_ids"]
+    batch = {"input_ids": ids, "attention_mask": attn, "target": target, "mm_token_type_ids": types}
+    with_images = [x for x in items if "pixel_values" in x]
+    if with_images:
+        batch["pixel_values"] = torch.cat([x["pixel_values"] for x in with_images])
+        batch["image_grid_thw"] = torch.cat([x["image_grid_thw"] for x in with_images])
+    return batch
+
+
+def vl_sft_warm_start(model_dir: str | Path, records: list[dict[str, Any]], out_dir: str | Path, steps: int = 300,
+                      batch_size: int = 32, lr: float = 1e-3, seed: int = 0) -> Path:
+    """Fine-tune the Qwen2-VL folder `model_dir` for `steps` AdamW steps on `records`; save to `out_dir`."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from workers.roles.lm import masked_token_nll
+    from workers.vision.hf_compat import load_processor
+
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    proc = load_processor(str(model_dir))
+    model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).train()
+    encoded: dict[int, dict[str, torch.Tensor]] = {}
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / steps))
+    for _ in range(steps):
+        keys = [rng.randrange(len(records)) for _ in range(batch_size)]
+        for k in keys:
+            if k not in encoded:
+                encoded[k] = _encode(proc, records[k])
+        b = _collate([encoded[k] for k in keys], proc.tokenizer.pad_token_id)
+        target = b.pop("target")
+        logits = model(**b).logits[:, :-1].float()
+        logp = torch.log_softmax(logits, -1).gather(-1, b["input_ids"][:, 1:, None])[..., 0]
+        loss = masked_token_nll(logp, target[:, 1:])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    proc.tokenizer.save_pretrained(out)
+    proc.image_processor.save_pretrained(out)
+    return out
+
+
+@torch.no_grad()
+def vl_greedy_accuracy(model_dir: str | Path, records: list[dict[str, Any]], reward_fn: Any,
+                       max_new_tokens: int = 4, batch_size: int = 32) -> float:
+    """Greedy-decode each image prompt with HF `generate`; the fraction `reward_fn` scores 1."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from workers.vision.hf_compat import load_processor
+
+    proc = load_processor(str(model_dir))
+    model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hits = 0.0
+    pad = proc.tokenizer.pad_token_id
+    for i in range(0, len(records), batch_size):
+        chunk = records[i:i + batch_size]
+        b = _collate([_encode(proc, r, with_answer=False) for r in chunk], pad, left=True)
+        b.pop("target")
+        out = model.generate(**b, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
+                             eos_token_id=proc.tokenizer.eos_token_id)
+        texts = proc.tokenizer.batch_decode(out[:, b["input_ids"].shape[1]:], skip_special_tokens=True)
+        hits += sum(float(reward_fn(r["messages"], t, r["ground_truth"])) for r, t in zip(chunk, texts))
+    return hits / max(len(records), 1)

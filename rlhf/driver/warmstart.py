@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,6 +36,28 @@ def _encode_item(tok, item: tuple[str | list, str] | list[dict],
     return p + a, [0] * len(p) + [1] * len(a)
 
 
+def warm_start_optimizer(model: torch.nn.Module, lr: float, steps: int) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW with a 20-step warm-up and a linear decay to 10% over `steps`."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / steps))
+    return opt, sched
+
+
+def warm_start_update(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, logits: torch.Tensor,
+                      ids: torch.Tensor, target: torch.Tensor) -> float:
+    """One step on the LM loss of the tokens where `target` is 1 (`masked_token_nll`); returns the loss."""
+    from workers.roles.lm import masked_token_nll
+
+    logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+    loss = masked_token_nll(logp, target[:, 1:])
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    return float(loss)
+
+
 def sft_warm_start(model_dir: str | Path, pairs: list[tuple[str | list, str]] | list[list[dict]],
                    out_dir: str | Path, steps: int = 300, batch_size: int = 128, lr: float = 1e-3,
                    seed: int = 0, tools: list[dict] | None = None) -> Path:
@@ -42,8 +65,6 @@ def sft_warm_start(model_dir: str | Path, pairs: list[tuple[str | list, str]] | 
     message lists) and save the result to `out_dir`. `tools` (function schemas) are rendered into every
     prompt as the rollout renders them for the RL run that follows."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from workers.roles.lm import masked_token_nll
 
     torch.manual_seed(seed)
     rng = random.Random(seed)
@@ -58,8 +79,7 @@ def sft_warm_start(model_dir: str | Path, pairs: list[tuple[str | list, str]] | 
             encoded[k] = _encode_item(tok, pairs[k], tools)
         return encoded[k]
 
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / steps))
+    opt, sched = warm_start_optimizer(model, lr, steps)
     pad = tok.pad_token_id
     for _ in range(steps):
         items = [draw() for _ in range(batch_size)]
@@ -71,14 +91,7 @@ def sft_warm_start(model_dir: str | Path, pairs: list[tuple[str | list, str]] | 
             ids[i, : len(seq)] = torch.tensor(seq)
             target[i, : len(seq)] = torch.tensor(trained, dtype=torch.float32)
             attn[i, : len(seq)] = 1
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-        logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
-        loss = masked_token_nll(logp, target[:, 1:])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        warm_start_update(model, opt, sched, model(input_ids=ids, attention_mask=attn).logits, ids, target)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

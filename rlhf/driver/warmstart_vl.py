@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from rlhf.driver.warmstart import warm_start_optimizer, warm_start_update
 from workers.vision.images import prompt_images
 
 
@@ -55,7 +56,6 @@ def vl_sft_warm_start(model_dir: str | Path, records: list[dict[str, Any]], out_
     """Fine-tune the Qwen2-VL folder `model_dir` for `steps` AdamW steps on `records`; save to `out_dir`."""
     from transformers import Qwen2VLForConditionalGeneration
 
-    from workers.roles.lm import masked_token_nll
     from workers.vision.hf_compat import load_processor
 
     torch.manual_seed(seed)
@@ -63,8 +63,7 @@ def vl_sft_warm_start(model_dir: str | Path, records: list[dict[str, Any]], out_
     proc = load_processor(str(model_dir))
     model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).train()
     encoded: dict[int, dict[str, torch.Tensor]] = {}
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / steps))
+    opt, sched = warm_start_optimizer(model, lr, steps)
     for _ in range(steps):
         keys = [rng.randrange(len(records)) for _ in range(batch_size)]
         for k in keys:
@@ -72,14 +71,7 @@ def vl_sft_warm_start(model_dir: str | Path, records: list[dict[str, Any]], out_
                 encoded[k] = _encode(proc, records[k])
         b = _collate([encoded[k] for k in keys], proc.tokenizer.pad_token_id)
         target = b.pop("target")
-        logits = model(**b).logits[:, :-1].float()
-        logp = torch.log_softmax(logits, -1).gather(-1, b["input_ids"][:, 1:, None])[..., 0]
-        loss = masked_token_nll(logp, target[:, 1:])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        warm_start_update(model, opt, sched, model(**b).logits, b["input_ids"], target)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

@@ -194,3 +194,12 @@ def test_builtin_and_factory_rewards_pickle():
     for fn in (combo, get_reward_fn("exact_match"), get_reward_fn("think_answer_format")):
         clone = pickle.loads(pickle.dumps(fn))
         assert clone(None, "\\boxed{5}", "5") == fn(None, "\\boxed{5}", "5")
+
+
+def test_text_exact_match():
+    from algorithms.rewards import get_reward_fn, score_with_reason
+
+    fn = get_reward_fn("text_exact_match")
+    assert fn("q", " Red.\n", "red") == 1.0 and fn("q", "2", "2") == 1.0
+    assert fn("q", "reddish", "red") == 0.0 and fn("q", "", "red") == 0.0 and fn("q", "red", None) == 0.0
+    assert score_with_reason("text_exact_match", "q", "blue", "red").reason == "wrong ('blue' != 'red')"

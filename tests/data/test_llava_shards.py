@@ -239,3 +239,24 @@ def test_cli_llava(tmp_path, shapes, capsys):
     assert "--shard-size must be >= 1" in error([*base, "--images", str(img), "--output-dir", str(out), "--shard-size", "0"])
     assert error(["preprocess", "--input", str(src), "--output-prefix", str(tmp_path / "p")]) == (
         "rlhf preprocess: error: --tokenizer is required (with --format indexed)")
+
+
+def test_shards_as_rl_prompts(tmp_path, shapes):
+    """`data.train_file` naming shards: the conversation minus its answer is the prompt, the answer the ground
+    truth, the image bytes ride along; a sample that does not end with the answer is refused by key and id."""
+    from rlhf.data.prompts import read_prompt_file
+    from rlhf.workflow import prompt_batch
+
+    items, src, img = shapes
+    write_llava_shards(src, img, tmp_path / "out", shard_size=5)
+    recs = read_prompt_file(tmp_path / "out")
+    assert [r["ground_truth"] for r in recs] == [it.answer for it in items]
+    assert recs[0]["messages"] == messages(items[0], with_answer=False)
+    assert recs[0]["images"] == [(img / "shape_000000.png").read_bytes()]
+    batch = prompt_batch(recs[:3])
+    assert batch.meta["images"] == [r["images"] for r in recs[:3]] and batch.meta["messages"][1] == recs[1]["messages"]
+    question_only = _write_json(tmp_path / "q.json", [{"id": "q1", "image": "shape_000000.png",
+                                                       "conversations": _turns(("human", "<image>\nWhat?"))}])
+    write_llava_shards(question_only, img, tmp_path / "q")
+    with pytest.raises(UserError, match=r"sample 00000000 \(id 'q1'\): the conversation must end with the assistant"):
+        read_prompt_file(tmp_path / "q")

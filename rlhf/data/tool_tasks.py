@@ -7,8 +7,13 @@ is exact match of the number in the last model turn (`algorithms.rewards.exact_m
 - `rl_train.jsonl`, `rl_val.jsonl`: `{"prompt", "messages", "answer"}` (as the arithmetic task);
 - `sft_train.jsonl`, `sft_val.jsonl`: tool-call traces `{"messages": [user, assistant (the call), tool (the
   result), assistant (the answer)]}`, the call written as the agent loop parses it:
-  `<tool_call>{"name": "calculator", "arguments": {"expression": "a*b"}}</tool_call>`.
-The SFT traces are a few hundred train pairs (the warm start); validation pairs never appear in a train file.
+  `<tool_call>{"name": "calculator", "arguments": {"expression": "a*b"}}</tool_call>`. In `sft_train` (the
+  warm start, 8000 train pairs) only `TOOL_SHARE` of the traces call the tool; the others answer directly
+  `[user, assistant (the answer)]`. The warm-started policy can then copy operands and results but calls the
+  tool for ~40% of its samples and greedily not at all, so its greedy accuracy is a guess's (~0%): what GRPO
+  has to learn is that calling the tool pays. (Many distinct pairs matter: on a few hundred, the warm start
+  memorises them and never learns to copy held-out operands.)
+Validation pairs never appear in a train file.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from rlhf.errors import UserError
 from workers.agent.tools import load_tools, tool_schemas
 
 LOW, HIGH = 100, 999
+TOOL_SHARE = 0.4  # of the warm-start traces that call the calculator; the rest answer directly
 Pair = tuple[int, int]
 
 
@@ -64,9 +70,23 @@ def trace_record(a: int, b: int) -> dict:
     ]}
 
 
+def direct_record(a: int, b: int) -> dict:
+    """user question -> the answer with no call (what a model without the tool writes: for this policy, a
+    guess), with the calculator's schema in the prompt as in `trace_record`."""
+    rec = trace_record(a, b)
+    rec["messages"] = [rec["messages"][0], rec["messages"][-1]]
+    return rec
+
+
+def sft_record(k: int, pair: Pair) -> dict:
+    """The k-th warm-start trace: a calculator-call trace for `TOOL_SHARE` of them, a direct answer else."""
+    return trace_record(*pair) if k % 5 < round(5 * TOOL_SHARE) else direct_record(*pair)
+
+
 def write_multiply_tool_data(out_dir: str | Path, seed: int = 0, val_size: int = 200,
-                             sft_size: int = 400) -> dict[str, Path]:
+                             sft_size: int = 8000) -> dict[str, Path]:
     """Write the four files listed in the module docstring into `out_dir`; return name -> path."""
     train, val = split_pairs(seed, val_size)
     return write_task_files(out_dir, {"rl_train": (train, rl_record), "rl_val": (val, rl_record),
-                                      "sft_train": (train[:sft_size], trace_record), "sft_val": (val, trace_record)})
+                                      "sft_train": (list(enumerate(train[:sft_size])), sft_record),
+                                      "sft_val": (val, trace_record)})

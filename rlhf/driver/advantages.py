@@ -10,10 +10,12 @@ from workers.batch import Batch
 
 
 def token_level_scores(batch: Batch) -> torch.Tensor:
-    """Sequence scores placed on the last response token: [B, R]."""
+    """Sequence scores placed on the last response token: [B, R]. The last token the mask covers, not the
+    mask's count: a multi-turn trajectory's mask has holes where tool results and template glue sit."""
     mask = batch["response_mask"]
     out = torch.zeros(mask.shape, dtype=torch.float32)
-    last = (mask.sum(-1) - 1).clamp(min=0).long()
+    cols = torch.arange(mask.shape[1])
+    last = torch.where(mask.bool(), cols, -1).max(-1).values.clamp(min=0)
     out[torch.arange(mask.shape[0]), last] = batch["scores"].float()
     return out * mask
 

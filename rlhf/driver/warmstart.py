@@ -43,19 +43,51 @@ def warm_start_optimizer(model: torch.nn.Module, lr: float, steps: int) -> tuple
     return opt, sched
 
 
-def warm_start_update(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, logits: torch.Tensor,
-                      ids: torch.Tensor, target: torch.Tensor) -> float:
-    """One step on the LM loss of the tokens where `target` is 1 (`masked_token_nll`); returns the loss."""
+def warm_start_update(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any,
+                      parts: list[tuple[dict[str, torch.Tensor], torch.Tensor]]) -> float:
+    """One optimizer step on the LM loss of the tokens where `target` is 1 (`masked_token_nll`), over a
+    batch given as `parts` (model inputs with `input_ids`, target): the loss is averaged over the targets
+    of all parts, as if they were one batch; each part runs its own forward and backward. Returns the loss."""
     from workers.roles.lm import masked_token_nll
 
-    logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
-    loss = masked_token_nll(logp, target[:, 1:])
+    total = sum(target[:, 1:].sum() for _, target in parts)
     opt.zero_grad(set_to_none=True)
-    loss.backward()
+    loss_sum = 0.0
+    for inputs, target in parts:
+        ids = inputs["input_ids"]
+        logits = model(**inputs).logits
+        logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+        loss = masked_token_nll(logp, target[:, 1:], normalizer=total)
+        loss.backward()
+        loss_sum += float(loss.detach())
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     sched.step()
-    return float(loss)
+    return loss_sum
+
+
+def length_buckets(lengths: list[int], ratio: float = 1.5) -> list[list[int]]:
+    """Indices of `lengths` grouped shortest first, a new group starting where a length exceeds `ratio` x
+    the group's shortest: a batch of short answers and long tool-call traces is not padded to the longest."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda k: lengths[k]):
+        if not groups or lengths[i] > ratio * lengths[groups[-1][0]]:
+            groups.append([])
+        groups[-1].append(i)
+    return groups
+
+
+def _padded(items: list[tuple[list[int], list[int]]], pad: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Right-padded model inputs and the target mask (1 on the trained tokens) of encoded items."""
+    width = max(len(seq) for seq, _ in items)
+    ids = torch.full((len(items), width), pad, dtype=torch.long)
+    target = torch.zeros((len(items), width))
+    attn = torch.zeros((len(items), width), dtype=torch.long)
+    for i, (seq, trained) in enumerate(items):
+        ids[i, : len(seq)] = torch.tensor(seq)
+        target[i, : len(seq)] = torch.tensor(trained, dtype=torch.float32)
+        attn[i, : len(seq)] = 1
+    return {"input_ids": ids, "attention_mask": attn}, target
 
 
 def sft_warm_start(model_dir: str | Path, pairs: list[tuple[str | list, str]] | list[list[dict]],
@@ -80,18 +112,10 @@ def sft_warm_start(model_dir: str | Path, pairs: list[tuple[str | list, str]] | 
         return encoded[k]
 
     opt, sched = warm_start_optimizer(model, lr, steps)
-    pad = tok.pad_token_id
     for _ in range(steps):
         items = [draw() for _ in range(batch_size)]
-        width = max(len(seq) for seq, _ in items)
-        ids = torch.full((batch_size, width), pad, dtype=torch.long)
-        target = torch.zeros((batch_size, width))  # 1 on the answer tokens and the end of turn
-        attn = torch.zeros((batch_size, width), dtype=torch.long)
-        for i, (seq, trained) in enumerate(items):
-            ids[i, : len(seq)] = torch.tensor(seq)
-            target[i, : len(seq)] = torch.tensor(trained, dtype=torch.float32)
-            attn[i, : len(seq)] = 1
-        warm_start_update(model, opt, sched, model(input_ids=ids, attention_mask=attn).logits, ids, target)
+        groups = length_buckets([len(seq) for seq, _ in items])
+        warm_start_update(model, opt, sched, [_padded([items[i] for i in g], tok.pad_token_id) for g in groups])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

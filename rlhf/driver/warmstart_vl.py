@@ -71,7 +71,7 @@ def vl_sft_warm_start(model_dir: str | Path, records: list[dict[str, Any]], out_
                 encoded[k] = _encode(proc, records[k])
         b = _collate([encoded[k] for k in keys], proc.tokenizer.pad_token_id)
         target = b.pop("target")
-        warm_start_update(model, opt, sched, model(**b).logits, b["input_ids"], target)
+        warm_start_update(model, opt, sched, [(b, target)])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from rlhf.data.code_tasks import write_code_data
-from rlhf.data.tool_tasks import write_multiply_tool_data
+from rlhf.data.tool_tasks import TOOL_SHARE, write_multiply_tool_data
 from workers.agent.toolcalls import parse_tool_calls
 from workers.agent.tools import calculator
 
@@ -20,13 +20,17 @@ def test_multiply_tool_files(tmp_path):
     train, val, sft = _read(files["rl_train"]), _read(files["rl_val"]), _read(files["sft_train"])
     assert len(val) == 50 and len(sft) == 30 and len(train) == 20_000
     assert not {r["prompt"] for r in val} & ({r["prompt"] for r in train} | {t["messages"][0]["content"] for t in sft})
+    calls = [rec for rec in sft if len(rec["messages"]) == 4]
+    assert len(calls) == round(len(sft) * TOOL_SHARE)  # the rest answer directly: what GRPO is to unlearn
     for rec in sft:
-        user, call, tool, answer = rec["messages"]
-        assert [m["role"] for m in rec["messages"]] == ["user", "assistant", "tool", "assistant"]
-        (parsed,) = parse_tool_calls(call["content"])
-        assert parsed.name == "calculator" and calculator(**parsed.arguments) == tool["content"] == answer["content"]
+        user, answer = rec["messages"][0], rec["messages"][-1]
         a, b = map(int, user["content"].removeprefix("What is ").removesuffix("?").split("*"))
         assert answer["content"] == str(a * b) and min(a, b) >= 100 and max(a, b) <= 999
+        assert [m["role"] for m in rec["messages"]] in (["user", "assistant"], ["user", "assistant", "tool", "assistant"])
+    for rec in calls:
+        _, call, tool, answer = rec["messages"]
+        (parsed,) = parse_tool_calls(call["content"])
+        assert parsed.name == "calculator" and calculator(**parsed.arguments) == tool["content"] == answer["content"]
 
 
 def test_code_task_reference_passes_hidden_tests(tmp_path):

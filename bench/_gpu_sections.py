@@ -120,6 +120,13 @@ def section_model() -> dict:
 
 def section_mfu() -> dict:
     check_device()
+    from workers.megatron.cpu_compat import cpu_device_mode
+
+    with cpu_device_mode():  # a no-op with CUDA; on a CPU rehearsal megatron's CUDA calls go to the CPU
+        return _mfu()
+
+
+def _mfu() -> dict:
     import torch
 
     from workers.megatron.engine import MegatronEngine

@@ -2,7 +2,8 @@
 
     roles = Roles.create(cfg, run_dir)
     batch = roles.rollout.generate(prompts)          # n samples per prompt, with sampled logprobs
-    batch = roles.reward(batch)                      # `scores` [B]
+    batch = roles.reward(batch)                      # `scores` [B]; or generate(prompts, score=roles.reward):
+                                                     # each engine's samples scored as they return
     batch = roles.reference.logprobs(batch)          # `ref_logprobs` [B, R]
     batch = roles.policy.logprobs(batch)             # `old_logprobs` [B, R]
     batch, _ = add_advantages(batch, cfg.algorithm, kl_coef)
@@ -15,6 +16,7 @@ The built-in GRPO and PPO steps (`rlhf.driver.grpo`, `rlhf.driver.ppo`) are writ
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,23 +205,30 @@ class RolloutHandle:
         self.group, self.sampling, self.sync_config, self.agent = group, sampling, sync_config, agent
         self.colocated, self.asleep = colocated, False
         self.version = 0
-        self._prefetched: tuple[Any, Any, int] | None = None  # (prompts and sampling, PendingGenerate, version)
+        # (prompts and sampling, PendingGenerate, version, score)
+        self._prefetched: tuple[Any, Any, int, Callable[[Batch], Batch] | None] | None = None
         self.buffer = buffer
         self._metrics: dict[str, float] = {}
 
-    def generate(self, prompts: list[dict[str, Any]] | Batch, **sampling: Any) -> Batch:
+    def generate(self, prompts: list[dict[str, Any]] | Batch, score: Callable[[Batch], Batch] | None = None,
+                 **sampling: Any) -> Batch:
         """Sample responses for prompt records (`messages` or `prompt`, plus `ground_truth`) or a prompt Batch;
-        with rollout.tools, multi-turn trajectories with tool calls."""
-        return self._tagged(self._start(prompts, sampling).result(), self.version)
+        with rollout.tools, multi-turn trajectories with tool calls. With `score` (e.g. `roles.reward`) each
+        engine's samples are scored as they return, while the other engines still generate."""
+        return self._tagged(self._start(prompts, sampling).result(score), self.version)
 
-    def prefetch(self, prompts: list[dict[str, Any]], **sampling: Any) -> None:
-        """Start generating for `prompts` now, on the weights the engines hold; `take` gets the samples."""
-        self._prefetched = ((prompts, sampling), self._start(prompts, sampling), self.version)
+    def prefetch(self, prompts: list[dict[str, Any]], score: Callable[[Batch], Batch] | None = None,
+                 **sampling: Any) -> None:
+        """Start generating for `prompts` now, on the weights the engines hold; `take` gets the samples. With
+        `score` they are scored as each engine returns (at the latest when the next sync waits for them)."""
+        self._prefetched = ((prompts, sampling), self._start(prompts, sampling), self.version, score)
 
-    def take(self, prompts: list[dict[str, Any]], draw: Any = None, **sampling: Any) -> Batch:
-        """The samples of `prompts`: those `prefetch`ed for the same prompts and sampling, else generated now.
-        In async mode: as many complete groups as `prompts` from the buffer, which queues `prompts` and
-        calls `draw()` for more prompts when it runs short (the loader's next batch)."""
+    def take(self, prompts: list[dict[str, Any]], draw: Any = None, score: Callable[[Batch], Batch] | None = None,
+             **sampling: Any) -> Batch:
+        """The samples of `prompts`: those `prefetch`ed for the same prompts and sampling, else generated now;
+        `score` as in `generate`. In async mode: as many complete groups as `prompts` from the buffer, which
+        queues `prompts` and calls `draw()` for more prompts when it runs short (the loader's next batch); the
+        buffer scores groups as they finish with the run's reward."""
         if self.buffer is not None:
             if draw is None:
                 raise ValueError("rollout.mode=async: take needs draw (a function giving more prompt records)")
@@ -227,10 +236,10 @@ class RolloutHandle:
             return batch
         ahead, self._prefetched = self._prefetched, None
         if ahead is not None and ahead[0] == (prompts, sampling):
-            return self._tagged(ahead[1].result(), ahead[2])
+            return self._tagged(ahead[1].result(score or ahead[3]), ahead[2])
         if ahead is not None:
             ahead[1].result()  # not wanted after all; the engines finish it first anyway
-        return self.generate(prompts, **sampling)
+        return self.generate(prompts, score, **sampling)
 
     def _start(self, prompts: list[dict[str, Any]] | Batch, sampling: dict[str, Any]) -> Any:
         params = self.sampling.with_(**sampling) if sampling else self.sampling
@@ -269,7 +278,7 @@ class RolloutHandle:
         """Push the policy's weights into the engines (woken first if asleep); a prefetched generation (or
         the async buffer's round in flight) finishes on the old weights first."""
         if self._prefetched is not None:
-            self._prefetched[1].result()
+            self._prefetched[1].result(self._prefetched[3])
         if self.buffer is not None:
             self.buffer.collect(self.version)
         if self.asleep:

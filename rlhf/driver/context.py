@@ -31,6 +31,13 @@ class StepContext:
         """`with ctx.phase("generate"): ...` times a phase into `time/<name>`."""
         return self.timer.phase(name)
 
+    def timed(self, name: str, fn: Callable[[Batch], Batch]) -> Callable[[Batch], Batch]:
+        """`fn`, timed into `time/<name>` at each call (e.g. the reward, called inside generate as engines return)."""
+        def call(batch: Batch) -> Batch:
+            with self.phase(name):
+                return fn(batch)
+        return call
+
     def sample_seed(self) -> int:
         """A fresh, reproducible sampling seed for each generate call of each step."""
         self._rounds += 1

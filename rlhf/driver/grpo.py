@@ -30,17 +30,21 @@ def informative_groups(batch: Batch) -> Batch:
 def generate_and_score(roles: Roles, ctx: StepContext) -> Batch:
     """Sample n responses per prompt and score them; with dynamic sampling, refill dropped groups."""
     cfg = ctx.cfg
+    score = ctx.timed("reward", roles.reward)  # time/reward: within time/generate when streamed
     with ctx.phase("generate"):
-        batch = roles.rollout.take(ctx.prompts, draw=ctx.next_prompts, seed=ctx.sample_seed())
+        # each engine's samples are scored as they return (async: the buffer scores groups as they finish)
+        batch = roles.rollout.take(ctx.prompts, draw=ctx.next_prompts, score=score, seed=ctx.sample_seed())
         if ctx.upcoming is not None:  # one step off: the next step's samples, on the weights before this update
-            roles.rollout.prefetch(ctx.upcoming, seed=ctx.next_step_seed())
+            roles.rollout.prefetch(ctx.upcoming, score=score, seed=ctx.next_step_seed())
     ctx.metrics.update(roles.rollout.pop_metrics())  # async: the buffer's stale drops and partial samples
     lag = [roles.rollout.version - v for v in batch["policy_version"]]
     ctx.metrics["rollout/version_lag_mean"] = sum(lag) / max(len(lag), 1)
     ctx.metrics["rollout/version_lag_max"] = float(max(lag, default=0))
-    with ctx.phase("reward"):
-        if "scores" not in batch:  # async: the buffer scores groups as they finish
+    if "scores" not in batch:  # a custom rollout that does not score
+        with ctx.phase("reward"):
             batch = roles.reward(batch)
+    if "rollout/scored_while_generating" in batch.info:
+        ctx.metrics["rollout/scored_while_generating"] = float(batch.info["rollout/scored_while_generating"])
     if not cfg.algorithm.dynamic_sampling:
         return batch
     wanted, kept, rounds, drawn = len(batch), informative_groups(batch), 0, 0
@@ -50,10 +54,8 @@ def generate_and_score(roles: Roles, ctx: StepContext) -> Batch:
         missing = math.ceil((wanted - len(kept)) / cfg.rollout.n)  # groups still to find
         count = math.ceil(missing * cfg.algorithm.oversample_factor)
         with ctx.phase("generate"):
-            extra = roles.rollout.generate(ctx.next_prompts(count), seed=ctx.sample_seed())
+            extra = roles.rollout.generate(ctx.next_prompts(count), score=score, seed=ctx.sample_seed())
         rounds, drawn = rounds + 1, drawn + count
-        with ctx.phase("reward"):
-            extra = roles.reward(extra)
         extra["group_id"] = [g + 10**6 * (ctx.resample_round()) for g in extra["group_id"]]
         kept = concat_rollouts([kept, informative_groups(extra)])
     kept = whole_groups_dividing(kept.index(slice(0, wanted)), train_divisor(cfg))

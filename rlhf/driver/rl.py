@@ -33,8 +33,8 @@ def validate(roles: Roles, prompts: list[dict[str, Any]], batch_size: int = 256)
 
     scores, checks, infos = [], [], []
     for i in range(0, len(prompts), batch_size):
-        batch = roles.rollout.generate(prompts[i: i + batch_size], n=1, temperature=0.0, seed=0)
-        scores.append(roles.reward(batch)["scores"])
+        batch = roles.rollout.generate(prompts[i: i + batch_size], score=roles.reward, n=1, temperature=0.0, seed=0)
+        scores.append(batch["scores"])
         checks.append(roles.reward.check_scores(batch))
         infos.append((batch.info, len(batch)))
     s = torch.cat(scores) if scores else torch.zeros(0)

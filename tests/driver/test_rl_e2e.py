@@ -202,6 +202,8 @@ def test_grpo_one_step_off_on_two_engines_and_resume(tmp_path):
     assert (run / "logs" / "rollout" / "0.log").is_file() and (run / "logs" / "rollout" / "1.log").is_file()
     rows = [row for row in metrics(run) if row["step"] > 0]
     assert [row["rollout/version_lag_max"] for row in rows] == [0.0, 1.0, 1.0]
+    # each engine's samples were scored as they returned (prefetched ones while the next sync waited for them)
+    assert all(0 <= row["rollout/scored_while_generating"] <= 1 for row in rows), rows
     assert rows[0]["mismatch/logprob_abs_diff_max"] < 1e-3  # step 1: on-policy, the rounding only
     for row in rows[1:]:
         assert row["mismatch/logprob_abs_diff_max"] > 10 * rows[0]["mismatch/logprob_abs_diff_max"], row

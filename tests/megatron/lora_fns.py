@@ -35,9 +35,9 @@ def _step(engine: Any, micros: list, normalizer: float) -> float:
     engine.zero_grad()
     out = engine.forward_backward(micros, loss_fn, forward_only=False)
     engine.optimizer_step()
-    total = torch.tensor([float(sum(out)) / len(micros) if out else 0.0])
+    total = torch.tensor([float(sum(out)) / len(micros) if out else 0.0], device=engine.device)  # NCCL: on CUDA
     torch.distributed.all_reduce(total, group=ps.get_pipeline_model_parallel_group())  # last stage has it
-    return float(total)
+    return float(total.item())
 
 
 def _logits(engine: Any, ids: torch.Tensor) -> torch.Tensor | None:

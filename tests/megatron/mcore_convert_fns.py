@@ -45,7 +45,7 @@ def parity_and_reshard(hf_dirs: list[str], mcore_dirs: dict[str, str], save_dirs
         res["filled"] = len(load_hf_weights(model, hf_dir, cfg))
         res["n_params"] = len(list(model.parameters())) + _expert_biases(model)
         ids = _batch(cfg.vocab_size)
-        logits = forward_logits(model, ids)
+        logits = _cpu(forward_logits(model, ids))
         ref = None
         if logits is not None:
             ref = _hf_logits(hf_dir, ids)
@@ -56,7 +56,7 @@ def parity_and_reshard(hf_dirs: list[str], mcore_dirs: dict[str, str], save_dirs
         names, mismatched = [], []
         for name, tensor in iter_hf_weights(model, cfg):
             names.append(name)
-            if not (tensor.dtype == source[name].dtype and torch.equal(tensor, source[name])):
+            if not (tensor.dtype == source[name].dtype and torch.equal(tensor.cpu(), source[name])):
                 mismatched.append(name)
         res["yielded"] = names if is_hf_weight_source() else []
         res["mismatched"] = mismatched
@@ -66,12 +66,17 @@ def parity_and_reshard(hf_dirs: list[str], mcore_dirs: dict[str, str], save_dirs
             meta = read_meta(mcore_dirs[hf_dir])
             model2 = build_gpt_model(cfg, padded_vocab=meta.padded_vocab_size, perform_initialization=False)
             load_model(model2, mcore_dirs[hf_dir])
-            logits2 = forward_logits(model2, ids)
+            logits2 = _cpu(forward_logits(model2, ids))
             if logits2 is not None:
                 res["ckpt_loss"] = _loss(logits2, ids, cfg.vocab_size)
         out["models"][hf_dir] = res
     out["value"] = _value_model_check(hf_dirs[0], ids=_batch(64))
     return out
+
+
+def _cpu(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Megatron's output on the CPU, where the transformers reference runs."""
+    return None if t is None else t.float().cpu()
 
 
 def _expert_biases(model) -> int:
@@ -89,13 +94,13 @@ def _value_model_check(hf_dir: str, ids: torch.Tensor) -> dict:
     cfg = AutoConfig.from_pretrained(hf_dir)
     model = build_gpt_model(cfg, value_head=True)
     filled = load_hf_weights(model, hf_dir, cfg)
-    values = forward_logits(model, ids)
+    values = _cpu(forward_logits(model, ids))
     res: dict = {"filled": len(filled), "n_params": len(list(model.parameters()))}
     if values is not None:
         hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
         with torch.no_grad():
             hidden = hf(input_ids=ids, output_hidden_states=True).hidden_states[-1]
-        ref = hidden @ model.output_layer.weight.detach().T
+        ref = hidden @ model.output_layer.weight.detach().cpu().T
         res["shape"] = tuple(values.shape)
         res["max_abs_diff"] = (values - ref).abs().max().item()
         res["head"] = model.output_layer.weight.detach().clone()

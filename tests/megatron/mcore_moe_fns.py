@@ -23,7 +23,7 @@ def routing_agreement(hf_dir: str, ids: torch.Tensor) -> dict:
 
     def hook(layer_idx: int):
         def fn(_module, _inputs, output):
-            maps[layer_idx] = output[1].detach().clone()  # routing_map [s*b, E], tokens s-major
+            maps[layer_idx] = output[1].detach().cpu()  # routing_map [s*b, E], tokens s-major
         return fn
 
     for layer in model.decoder.layers:
@@ -76,7 +76,7 @@ def explicit_positions_parity(hf_dirs: list[str]) -> dict[str, float]:
         load_hf_weights(model, hf_dir, cfg)
         assert rope_positions.install(model)
         with rope_positions.explicit_positions(pos):
-            got = forward_logits(model, ids)[..., : cfg.vocab_size]
+            got = forward_logits(model, ids)[..., : cfg.vocab_size].float().cpu()
         hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
         with torch.no_grad():
             ref = hf(input_ids=ids, position_ids=pos).logits

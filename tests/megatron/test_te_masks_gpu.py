@@ -9,6 +9,7 @@ from mcore_train_fns import masked_vs_alone_logits
 from workers.megatron.launch import run_distributed
 
 pytestmark = pytest.mark.gpu
+pytest.importorskip("transformer_engine", reason="the Transformer Engine layer spec needs transformer-engine")
 
 
 def test_te_logits_follow_packing_and_padding_masks(tiny_model_factory):

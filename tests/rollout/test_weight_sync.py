@@ -156,6 +156,19 @@ def test_two_engines_are_each_synced_and_decode_as_one_engine(env, tmp_path):
         assert two.in_flight == [0.0, 0.0]
         ref = two.generate(PROMPTS[1:], greedy)  # idle engines: split by the prompts' own lengths
         assert c["group_id"] == [0, 0, 1, 1, 2, 2] and c["response_text"] == ref["response_text"]
+        # a score (the run's reward) is applied to each engine's samples as they return, not to the whole batch
+        parts: list[int] = []
+
+        def score(part):
+            parts.append(len(part))
+            part["scores"] = torch.tensor([float(len(t)) for t in part["response_text"]])
+            return part
+
+        d = two.generate(PROMPTS, greedy, score=score)
+        plain = two.generate(PROMPTS, greedy)
+        assert len(parts) == 2 and sum(parts) == 2 * len(PROMPTS) and d["response_text"] == plain["response_text"]
+        assert d["scores"].tolist() == [float(len(t)) for t in d["response_text"]]
+        assert d["group_id"] == [0, 0, 1, 1, 2, 2, 3, 3] and 0 <= d.info["rollout/scored_while_generating"] <= 1
         ray.kill(two.engines[1], no_restart=True)
         t0 = time.monotonic()
         with pytest.raises(RolloutDiedError, match=r"role 'rollout' rank 1 .*the actor died"):

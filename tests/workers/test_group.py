@@ -186,6 +186,19 @@ def test_shared_wait_reports_failures_by_index_and_stops_when_on_poll_raises(clu
         return WorkerTimeoutError(f"stuck {pending}")
 
     assert wait_all([task.remote(0.1, False), task.remote(0.2, False)], 30, on_failure, on_timeout) == [0.1, 0.2]
+    # on_ready sees each result as it arrives (the fast call while the slow one still runs) and its value is kept
+    arrivals: list[tuple[int, float, int, float]] = []
+
+    def on_ready(i, value, running):
+        arrivals.append((i, value, running, time.monotonic()))
+        return value * 10
+
+    fast = task.remote(0.0, False)
+    ray.get(fast, timeout=300)  # done before the wait starts, however slowly the machine starts workers
+    slow = task.remote(3.0, False)
+    assert wait_all([slow, fast], 60, on_failure, on_timeout, on_ready=on_ready) == [30.0, 0.0]
+    assert [(i, running) for i, _, running, _ in arrivals] == [(1, 1), (0, 0)]
+    assert arrivals[1][3] - arrivals[0][3] > 1.0  # the fast result was handled well before the slow one came
     with pytest.raises(WorkerGroupError, match="failed"):
         wait_all([task.remote(30, False), task.remote(0.1, True)], 60, on_failure, on_timeout)
     assert seen == {"failures": [(1, "ValueError")], "pending": [0]}

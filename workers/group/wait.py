@@ -18,16 +18,20 @@ POLL_S = 0.5
 Failure = tuple[int, Exception]  # (index of the call in `refs`, what `ray.get` raised)
 OnFailure = Callable[[list[Failure], list[int]], BaseException]
 OnTimeout = Callable[[list[int]], BaseException]
+OnReady = Callable[[int, Any, int], Any]  # (index, result, calls still running) -> the result to keep
 
 
 def wait_all(refs: list, timeout_s: float, on_failure: OnFailure, on_timeout: OnTimeout,
-             on_poll: Callable[[], None] | None = None, poll_s: float = POLL_S) -> list[Any]:
+             on_poll: Callable[[], None] | None = None, poll_s: float = POLL_S,
+             on_ready: OnReady | None = None) -> list[Any]:
     """The results of `refs`, in order, within `timeout_s`.
 
     After the first poll on which some calls raised, `on_failure(failures, pending)` returns the exception
     to raise (`pending`: indices of the calls still running); at the deadline `on_timeout(pending)` does.
     `on_poll()` runs after every poll that leaves calls pending and may raise to stop waiting (e.g. when
-    the sending side of a transfer failed).
+    the sending side of a transfer failed). `on_ready(i, result, running)` sees each result as it arrives,
+    while `running` calls are still at work, and returns what to keep (e.g. the samples of one engine,
+    scored while the other engines still generate); it runs within the deadline's polling.
     """
     index = {ref: i for i, ref in enumerate(refs)}
     results: list[Any] = [None] * len(refs)
@@ -46,6 +50,9 @@ def wait_all(refs: list, timeout_s: float, on_failure: OnFailure, on_timeout: On
                 failures.append((index[ref], exc))
         if failures:
             raise on_failure(failures, [index[r] for r in pending])
+        if on_ready is not None:
+            for ref in ready:
+                results[index[ref]] = on_ready(index[ref], results[index[ref]], len(pending))
         if on_poll is not None and pending:
             on_poll()
     return results

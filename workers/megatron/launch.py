@@ -50,7 +50,11 @@ def _worker(
                 out = fn(*args)
             finally:
                 destroy_distributed()
-        # Plain pickle: tensors travel by value, not as shared-memory handles that die with this process.
+        # Plain pickle: tensors travel by value, on the CPU, not as shared-memory or CUDA handles that die
+        # with this process.
+        from torch.utils._pytree import tree_map
+
+        out = tree_map(lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) else x, out)
         results.put((rank, True, pickle.dumps(out)))
     except FileProblem as e:  # a full disk, read-only folder or truncated file: re-raised as such by the parent
         results.put((rank, False, (e.path, e.cause)))

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 from workers.megatron.optim_config import OptimConfig
@@ -43,6 +44,10 @@ def cpu_offload_fields(optim: OptimConfig) -> dict[str, Any]:
         return {}
     if not optim.use_distributed_optimizer:
         raise ValueError("optim.cpu_offload needs optim.use_distributed_optimizer=true")
+    if importlib.util.find_spec("transformer_engine") is None:  # megatron-core 0.16.1 fails obscurely without it
+        raise ValueError("optim.cpu_offload needs transformer-engine (>= 2.1) on the workers: megatron-core's "
+                         "precision-aware hybrid optimizer is built on it; install the `gpu` extra or set "
+                         "optim.cpu_offload=false")
     return {"optimizer_cpu_offload": True, "optimizer_offload_fraction": float(optim.cpu_offload_fraction),
             "use_precision_aware_optimizer": True, "decoupled_weight_decay": True}
 

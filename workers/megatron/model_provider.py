@@ -269,12 +269,14 @@ def build_gpt_model(
         ).to(emb.inv_freq.dtype)
     if value_head and post_process:
         model.output_layer = ValueHead(config)
-        if tp > 1:  # one init for all TP ranks: the head is replicated, and ranks' CPU RNGs may differ
-            torch.distributed.broadcast(
-                model.output_layer.weight.data,
-                src=parallel_state.get_tensor_model_parallel_src_rank(),
-                group=parallel_state.get_tensor_model_parallel_group(),
-            )
+    if not cuda_absent():  # megatron puts its parallel layers on the GPU, plain torch modules (norms) stay put
+        model.to(torch.device("cuda", torch.cuda.current_device()))
+    if value_head and post_process and tp > 1:  # one init for all TP ranks: the head is replicated
+        torch.distributed.broadcast(
+            model.output_layer.weight.data,
+            src=parallel_state.get_tensor_model_parallel_src_rank(),
+            group=parallel_state.get_tensor_model_parallel_group(),
+        )
     return model
 
 
@@ -337,13 +339,16 @@ def forward_logits(model, input_ids: torch.Tensor, gather_tp: bool = True,
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+    device = next(model.parameters()).device  # inputs may come from anywhere: the model's device is the one
+    input_ids = input_ids.to(device)
+    inputs = {k: v.to(device) for k, v in (inputs or {}).items()}
     b, s = input_ids.shape
-    mask = causal_mask(s, device=input_ids.device)[None, None]
+    mask = causal_mask(s, device=device)[None, None]
     follow_mask(model, mask)
 
     def step(data_iter, mdl):
         ids = next(data_iter)
-        out = mdl(input_ids=ids, position_ids=position_ids_for(ids), attention_mask=mask, **(inputs or {}))
+        out = mdl(input_ids=ids, position_ids=position_ids_for(ids), attention_mask=mask, **inputs)
         return out, None
 
     model.eval()

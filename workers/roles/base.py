@@ -134,7 +134,10 @@ class MegatronWorker(Worker):
 
     # ---- helpers for training loops -----------------------------------------------------------
     def dp_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """SUM over the data-parallel group (in place; returns `t`)."""
+        """SUM over the data-parallel group (in place; returns `t`). The sum travels on the engine's device,
+        since NCCL reduces CUDA tensors only."""
         if self.engine.dp_size() > 1:
-            torch.distributed.all_reduce(t, group=self.engine.dp_group())
+            buf = t.to(self.engine.device)
+            torch.distributed.all_reduce(buf, group=self.engine.dp_group())
+            t.copy_(buf)
         return t

@@ -46,15 +46,18 @@ class Metrics:
             self.wsums[k] = self.wsums.get(k, 0.0) + self._f(v) * weight
             self.weights[k] = self.weights.get(k, 0.0) + weight
 
-    def reduce(self, group: Any, active: bool) -> dict[str, float]:
-        """Collective over `group` when `active` (call it on the last PP stage only); {} otherwise."""
+    def reduce(self, group: Any, active: bool, device: torch.device) -> dict[str, float]:
+        """Collective over `group` when `active` (call it on the last PP stage only); {} otherwise. The sums
+        travel on `device` (NCCL reduces CUDA tensors only)."""
         if not active:
             return {}
         sk, mk = sorted(self.sums), sorted(self.wsums)
         t = torch.tensor([self.sums[k] for k in sk] + [self.wsums[k] for k in mk] + [self.weights[k] for k in mk],
                          dtype=torch.float64)
         if t.numel() and torch.distributed.get_world_size(group) > 1:
+            t = t.to(device)
             torch.distributed.all_reduce(t, group=group)
+            t = t.cpu()
         out = {k: t[i].item() for i, k in enumerate(sk)}
         n, m = len(sk), len(mk)
         for i, k in enumerate(mk):
@@ -86,7 +89,7 @@ def run_loss(worker: MegatronWorker, micros: list[Micro], loss: MicroLoss, train
         eng.forward_backward(micros, loss_fn, forward_only=not train)
     moe = eng.moe_metrics(len(micros)) if train else {}
     step = eng.optimizer_step() if train else {}
-    return {**acc.reduce(eng.dp_group(), eng.is_last_stage), **moe, **step}
+    return {**acc.reduce(eng.dp_group(), eng.is_last_stage, eng.device), **moe, **step}
 
 
 def optimize(worker: MegatronWorker, batch: Batch, cfg: UpdateConfig,

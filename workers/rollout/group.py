@@ -7,7 +7,7 @@ Engine calls are waited on like a worker group's (`workers.group.wait`), and the
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -156,11 +156,12 @@ class RolloutGroup:
         return getattr(eng, method)(*args) if self.in_process else getattr(eng, method).remote(*args)
 
     def _wait(self, handles: list[Any], ranks: list[int], what: str, timeout_s: float | None = None,
-              on_poll: Any = None) -> list[Any]:
+              on_poll: Any = None, on_ready: Any = None) -> list[Any]:
         """Results of the engine calls `handles` (one per rank in `ranks`), polled like a worker group's;
-        `on_poll()` may raise to stop waiting (e.g. when the sending side of a weight sync failed)."""
+        `on_poll()` may raise to stop waiting (e.g. when the sending side of a weight sync failed);
+        `on_ready(i, result, running)` sees each result as it arrives (`workers.group.wait.wait_all`)."""
         if self.in_process:
-            return handles
+            return handles if on_ready is None else [on_ready(i, h, 0) for i, h in enumerate(handles)]
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
 
         def timed_out(pending: list[int]) -> BaseException:
@@ -170,7 +171,7 @@ class RolloutGroup:
         def failed(failures: list[Failure], pending: list[int]) -> BaseException:
             return self._failure([(ranks[i], e) for i, e in failures], what)
 
-        return wait_all(handles, timeout_s, failed, timed_out, on_poll)
+        return wait_all(handles, timeout_s, failed, timed_out, on_poll, on_ready=on_ready)
 
     def _failure(self, failures: list[Failure], what: str) -> BaseException:
         """The error for the most telling of `failures` ((rank, exception) pairs): a dead engine first;
@@ -204,10 +205,10 @@ class RolloutGroup:
 
     # ---- rollout -----------------------------------------------------------------------------
     def generate(self, prompts: Batch | Sequence[Any], sampling: SamplingConfig | dict | None = None,
-                 agent: AgentOptions | dict[str, Any] | None = None) -> Batch:
+                 agent: AgentOptions | dict[str, Any] | None = None, score: Any = None) -> Batch:
         """See `RolloutWorker.generate` (with `agent`, `RolloutWorker.generate_agent`: multi-turn tool use);
-        prompts are split across engines, `group_id` stays global."""
-        return self.start_generate(prompts, sampling, agent).result()
+        prompts are split across engines, `group_id` stays global; `score` as in `PendingGenerate.result`."""
+        return self.start_generate(prompts, sampling, agent).result(score)
 
     def start_generate(self, prompts: Batch | Sequence[Any], sampling: SamplingConfig | dict | None = None,
                        agent: AgentOptions | dict[str, Any] | None = None) -> PendingGenerate:
@@ -321,23 +322,36 @@ class PendingGenerate:
         self.tokens = tokens or [0.0] * len(ranks)  # each call's share of the group's tokens in flight
         self._out: Batch | None = None
 
-    def result(self) -> Batch:
-        """The samples, as one engine would give them (waits on first call; later calls return the same)."""
-        if self._out is None:
-            try:
-                parts = self.group._wait(self.calls, self.ranks, self.method)
-            finally:  # collected (or failed): no longer in flight
-                for rank, t in zip(self.ranks, self.tokens):
-                    self.group.in_flight[rank] -= t
-                self.tokens = [0.0] * len(self.ranks)
-            if len(parts) == 1:
-                self._out = parts[0]
-            else:
-                for lo, part in zip(self.starts, parts):
-                    part.meta["group_id"] = [g + lo for g in part.meta["group_id"]]
-                info = _merge_info([p.info for p in parts], [len(p) for p in parts])
-                self._out = concat_rollouts(parts)
-                self._out.info.update(info)
+    def result(self, score: Callable[[Batch], Batch] | None = None) -> Batch:
+        """The samples, as one engine would give them (waits on first call; later calls return the same).
+        With `score` (the run's reward: Batch -> Batch with `scores`), each engine's samples are scored as
+        they return, while the other engines still generate; info `rollout/scored_while_generating` is the
+        fraction of engine parts scored before the last engine finished."""
+        if self._out is not None:
+            return self._out
+        early: list[bool] = []
+
+        def arrived(i: int, part: Batch, running: int) -> Batch:
+            part.meta["group_id"] = [g + self.starts[i] for g in part.meta["group_id"]]
+            if score is None:
+                return part
+            early.append(running > 0)
+            return score(part)
+
+        try:
+            parts = self.group._wait(self.calls, self.ranks, self.method, on_ready=arrived)
+        finally:  # collected (or failed): no longer in flight
+            for rank, t in zip(self.ranks, self.tokens):
+                self.group.in_flight[rank] -= t
+            self.tokens = [0.0] * len(self.ranks)
+        if len(parts) == 1:
+            self._out = parts[0]
+        else:
+            info = _merge_info([p.info for p in parts], [len(p) for p in parts])
+            self._out = concat_rollouts(parts)
+            self._out.info.update(info)
+        if score is not None:
+            self._out.info["rollout/scored_while_generating"] = sum(early) / max(len(early), 1)
         return self._out
 
 

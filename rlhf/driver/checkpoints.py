@@ -2,7 +2,7 @@
 
 Layout under `<output_dir>/checkpoints/`:
   step-000004/            one finished checkpoint
-    driver_state.json     step, data-loader position, KL controller, driver RNG, metric history keys
+    driver_state.json     step, data-loader position, KL controller, driver RNG, LR schedule, metric history keys
     policy/ critic/ ...   each role's Megatron checkpoint (dist_checkpointing), written by its workers,
                           with the sha256 manifest that loading checks first (workers/megatron/ckpt_manifest.py)
   latest                  text file naming the newest finished checkpoint folder
@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from rlhf.config import RunConfig
+from rlhf.errors import UserError
 from workers.files import FileProblem, os_cause
 
 
@@ -34,6 +36,33 @@ def set_rng_state(state: dict[str, Any]) -> None:
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+
+
+def schedule_of(cfg: RunConfig) -> dict[str, Any]:
+    """The settings a trained role's LR scheduler is built from, saved in each checkpoint: a resume with other
+    values would silently bend the schedule mid-run, so `check_schedule` refuses it."""
+    roles = ["policy"] + (["critic"] if cfg.critic.enabled else [])
+    decays = any(getattr(cfg, role).optim.lr_decay_style != "constant" for role in roles)
+    out: dict[str, Any] = {"trainer.total_steps": cfg.trainer.total_steps} if decays else {}  # a constant LR may run longer
+    for role in roles:
+        o = getattr(cfg, role).optim
+        out.update({f"{role}.optim.{k}": getattr(o, k) for k in ("lr", "min_lr", "warmup_steps", "lr_decay_style",
+                                                                  "weight_decay")})
+    return out
+
+
+def check_schedule(saved: dict[str, Any] | None, cfg: RunConfig, where: Path,
+                   fresh: str = "start a new run from its weights") -> None:
+    """Refuse to resume the checkpoint `where` (saved schedule `saved`) under another LR schedule, naming each
+    differing field and `fresh`, the way to start over (a checkpoint without a saved schedule resumes on the
+    config's)."""
+    if not saved:
+        return
+    now = schedule_of(cfg)
+    diff = [f"{k}: checkpoint {saved[k]!r}, config {now[k]!r}" for k in now if k in saved and saved[k] != now[k]]
+    if diff:
+        raise UserError(f"cannot continue the LR schedule of {where}: " + "; ".join(diff)
+                        + f" (keep them, or {fresh})")
 
 
 class CheckpointManager:
@@ -78,7 +107,6 @@ class CheckpointManager:
     def check_trusted(path: Path, trust: bool) -> None:
         """Before any worker loads the checkpoint `path` (a step folder or one role's folder): every role
         folder in it matches its manifest, unless `trust` (UserError naming the file otherwise)."""
-        from rlhf.errors import UserError
         from workers.megatron.ckpt_manifest import UntrustedCheckpointError, check_checkpoint
 
         roles = [path] if (path / "metadata.json").is_file() else sorted(

@@ -18,25 +18,26 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.config import RunConfig
-from rlhf.driver.checkpoints import CheckpointManager, export_hf, rng_state, set_rng_state
+from rlhf.driver.checkpoints import (
+    CheckpointManager,
+    check_schedule,
+    export_hf,
+    rng_state,
+    schedule_of,
+    set_rng_state,
+)
 from rlhf.driver.lm_data import build_lm_data, check_lm_inputs, tokenizer_path
 from rlhf.driver.metrics import MetricsLogger
 from rlhf.driver.scaffold import RunScaffold
 from rlhf.errors import NonFiniteError, UserError
 
+FRESH_START = "start a new run with trainer.load=... trainer.no_load_optim=true"
 ROLE = "policy"  # the worker group of the pretraining, SFT and DPO stages (and its checkpoint folder)
 
 
 def global_batch_size(cfg: RunConfig) -> int:
     p = cfg.policy
     return cfg.trainer.global_batch_size or p.micro_batch_size * p.parallel.dp
-
-
-def schedule_of(cfg: RunConfig) -> dict[str, Any]:
-    """What the LR scheduler state in a checkpoint must agree with (checked before resuming)."""
-    o = cfg.policy.optim
-    return {"policy.optim.lr": o.lr, "policy.optim.min_lr": o.min_lr, "policy.optim.warmup_steps": o.warmup_steps,
-            "policy.optim.lr_decay_style": o.lr_decay_style, "trainer.total_steps": cfg.trainer.total_steps}
 
 
 def resolve_checkpoint(path: str | Path, role: str = ROLE) -> Path:
@@ -62,16 +63,6 @@ def make_group(cfg: RunConfig, out: Path, role: str = ROLE, worker_cls: type | N
     from workers.roles import PolicyWorker
 
     return role_group(role, cfg.policy, cfg, out, worker_cls or PolicyWorker, optimizer_steps=cfg.trainer.total_steps)
-
-
-def _check_schedule(saved: dict[str, Any] | None, cfg: RunConfig, where: Path) -> None:
-    if not saved:
-        return
-    now = schedule_of(cfg)
-    diff = [f"{k}: checkpoint {saved[k]!r}, config {now[k]!r}" for k in now if k in saved and saved[k] != now[k]]
-    if diff:
-        raise UserError(f"cannot continue the LR schedule of {where}: " + "; ".join(diff)
-                        + " (keep them, or start a new run with trainer.load=... trainer.no_load_optim=true)")
 
 
 class LMRun:
@@ -102,7 +93,7 @@ class LMRun:
         latest = self.frame.resume_point()
         if latest is not None:
             state = CheckpointManager.driver_state(latest)
-            _check_schedule(state.get("schedule"), self.cfg, latest)
+            check_schedule(state.get("schedule"), self.cfg, latest, FRESH_START)
             self.group.load_checkpoint(str(latest / self.role), load_optimizer=True, load_rng=True,
                                        trust=self.cfg.trainer.trust_checkpoint)
             self.data.order.load_state_dict(state["data"])
@@ -116,7 +107,8 @@ class LMRun:
             if not t.no_load_optim:
                 step_dir = path.parent
                 if (step_dir / "driver_state.json").is_file():
-                    _check_schedule(CheckpointManager.driver_state(step_dir).get("schedule"), self.cfg, step_dir)
+                    check_schedule(CheckpointManager.driver_state(step_dir).get("schedule"), self.cfg, step_dir,
+                                   FRESH_START)
             self.group.load_checkpoint(str(path), load_optimizer=not t.no_load_optim, load_rng=not t.no_load_rng,
                                        trust=t.trust_checkpoint)
             print(f"loaded {path} (optimizer: {not t.no_load_optim}, rng: {not t.no_load_rng})", flush=True)

@@ -15,7 +15,7 @@ import torch
 
 from algorithms import make_kl_controller
 from rlhf.config import RunConfig
-from rlhf.driver.checkpoints import export_hf, rng_state, set_rng_state
+from rlhf.driver.checkpoints import check_schedule, export_hf, rng_state, schedule_of, set_rng_state
 from rlhf.driver.context import StepContext, accuracy
 from rlhf.driver.metrics import PhaseTimer
 from rlhf.driver.scaffold import RunScaffold
@@ -101,6 +101,10 @@ def report_sandbox(cfg: RunConfig) -> str | None:
     return line
 
 
+FRESH_START = ("start a new run from its policy weights: rlhf convert mcore-to-hf --mcore <checkpoint>/policy, "
+               "then model.path=<that folder>")
+
+
 def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
     """Train with `step_fn` (GRPO or PPO by default) and return the last metrics row."""
     from rlhf.data.prompts import PromptLoader
@@ -116,6 +120,10 @@ def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
     last: dict[str, float] = {}
     with RunScaffold(cfg) as run:
         torch.manual_seed(t.seed)
+        resume_from = run.resume_point()
+        if resume_from is not None:  # before any worker starts
+            state = run.ckpt.driver_state(resume_from)
+            check_schedule(state.get("schedule"), cfg, resume_from, FRESH_START)
         if megatron_warm_start_due(cfg, run.out):
             from rlhf.driver.warmstart_megatron import megatron_warm_start
 
@@ -123,9 +131,7 @@ def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
                                                      [(p["prompt"] or p["messages"], p["ground_truth"]) for p in val]))
         roles = run.own(Roles.create(cfg, run.out))
         start = skipped_in_a_row = 0
-        resume_from = run.resume_point()
         if resume_from is not None:
-            state = run.ckpt.driver_state(resume_from)
             roles.policy.load(resume_from / "policy", trust=t.trust_checkpoint)
             if roles.critic is not None:
                 roles.critic.load(resume_from / "critic", trust=t.trust_checkpoint)
@@ -158,7 +164,7 @@ def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
         def save(step: int) -> None:
             state = {"loader": loader_state or loader.state_dict(), "kl_ctrl": kl_ctrl.state_dict(),
                      "rng": rng_state(), "consecutive_nonfinite": nonfinite.count,
-                     "rollout": roles.rollout.state_dict()}
+                     "rollout": roles.rollout.state_dict(), "schedule": schedule_of(cfg)}
             run.ckpt.save(step, state, write_roles)
 
         run.stop_point(start, None)  # a signal while the roles started: nothing new to save

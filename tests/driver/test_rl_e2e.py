@@ -208,7 +208,11 @@ def test_grpo_one_step_off_on_two_engines_and_resume(tmp_path):
     for row in rows[1:]:
         assert row["mismatch/logprob_abs_diff_max"] > 10 * rows[0]["mismatch/logprob_abs_diff_max"], row
         assert row["off_policy/is_ratio_max"] > 1.0 and 0 <= row["off_policy/capped_fraction"] < 1, row
-    r = rlhf("train", *args, "trainer.total_steps=5", "trainer.resume=auto", path=tmp_path)
+    # another learning rate would bend the saved LR schedule: refused before any worker starts, naming the field
+    r = rlhf("train", *args, "trainer.total_steps=5", "trainer.resume=auto", "policy.optim.lr=5e-4", path=tmp_path)
+    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-5000:]
+    assert "policy.optim.lr: checkpoint 0.001, config 0.0005" in r.stderr and "policy/" not in r.stdout, r.stderr
+    r = rlhf("train", *args, "trainer.total_steps=5", "trainer.resume=auto", path=tmp_path)  # constant LR: longer is fine
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     assert "resumed from" in r.stdout
     rows = [row for row in metrics(run) if row["step"] > 3]

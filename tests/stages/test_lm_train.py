@@ -129,6 +129,34 @@ def test_resume_two_plus_two_equals_four(run_dp2, lm_inputs, tmp_path):
     assert by_step(rows, "val/loss")[4] == pytest.approx(by_step(rows_b, "val/loss")[4], rel=1e-6)
 
 
+def test_resume_under_another_schedule(run_a, lm_inputs, tmp_path):
+    """Run A's step-2 checkpoint resumed with another peak lr and more steps is refused, naming both fields.
+    A checkpoint that saved no schedule resumes on the config's: the cosine from the new peak over the new
+    length, from the checkpoint's step (the workers' scheduler takes the config's values, not the saved ones)."""
+    import math
+
+    from rlhf.errors import UserError
+
+    out = tmp_path / "relr"
+    (out / "checkpoints").mkdir(parents=True)
+    step2 = out / "checkpoints" / "step-000002"
+    shutil.copytree(run_a[0] / "checkpoints" / "step-000002", step2)
+    (out / "checkpoints" / "latest").write_text("step-000002")
+    other = ("trainer.resume=auto", "policy.optim.lr=1e-3", "trainer.total_steps=5")
+    with pytest.raises(UserError, match=r"trainer.total_steps: checkpoint 4, config 5; "
+                                        r"policy.optim.lr: checkpoint 0.002, config 0.001 \(keep them"):
+        run(lm_inputs, "pretrain", out, *other)
+    state = json.loads((step2 / "driver_state.json").read_text())
+    del state["schedule"]
+    (step2 / "driver_state.json").write_text(json.dumps(state))
+    rows, _ = run(lm_inputs, "pretrain", out, *other)
+    lr = by_step(rows, "lr")
+    assert list(lr) == [3, 4, 5]
+    for step in (3, 4, 5):  # warmup 1, cosine from 1e-3 to 1e-4 over the remaining 4 steps
+        want = 1e-4 + 0.5 * (1e-3 - 1e-4) * (1 + math.cos(math.pi * (step - 2) / 4))
+        assert lr[step] == pytest.approx(want, rel=1e-6), (step, lr[step], want)
+
+
 def test_sft_packed_pp2_from_pretrained_checkpoint(run_a, lm_inputs, tmp_path):
     out_a = run_a[0]
     out = tmp_path / "sft"

@@ -185,6 +185,8 @@ class MegatronEngine:
             lr_warmup_steps=o.warmup_steps, lr_decay_steps=decay_steps + o.warmup_steps,
             lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
             wd_incr_steps=max(1, o.total_steps), wd_incr_style="constant",
+            # on resume the config sets the schedule (lr, warmup, decay); the checkpoint gives only its step
+            override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False,
         )
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.no_sync_func = ddp.no_sync
@@ -513,7 +515,11 @@ class MegatronEngine:
             else:  # adapters only; the frozen base stays as loaded from model_path
                 self.module.load_state_dict(loaded["model"], strict=False)
             if with_opt:
+                # the param groups' max_lr / min_lr come back with the state; the config's schedule sets them
+                peaks = [{k: g[k] for k in ("max_lr", "min_lr") if k in g} for g in self.optimizer.param_groups]
                 self.optimizer.load_state_dict(loaded["optimizer"])
+                for g, peak in zip(self.optimizer.param_groups, peaks, strict=True):
+                    g.update(peak)
                 _restore_adam_steps(self.optimizer)
             elif self.optimizer is not None:
                 self.optimizer.reload_model_params()

@@ -6,8 +6,9 @@ a 2 x 2 grid so none overlap. Two kinds of questions, answered in one word:
 - "How many circles?" -> "2".
 `llava_records` writes the task in LLaVA's format (a JSON list of {"id", "image", "conversations"}), the
 input of `rlhf preprocess --format llava`; `write_shapes_data` (`data.task: shapes`) writes train and
-validation sets that way and packs them into WebDataset shards, the RL prompt sources `rl_train/` and
-`rl_val/`.
+validation sets of colour questions that way and packs them into WebDataset shards, the RL prompt sources
+`rl_train/` and `rl_val/`. The task asks colours only: the tiny Qwen2-VL answers "0" to every count
+question whatever the image, after SFT as after GRPO (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 SIZE = 112
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 60), "blue": (40, 70, 220), "yellow": (230, 200, 20)}
 SHAPES = ("circle", "square", "triangle")
+KINDS = ("count", "colour")
 
 
 @dataclass(frozen=True)
@@ -52,11 +54,12 @@ def _draw(shapes: list[tuple[str, str]], rng: random.Random) -> Any:
     return img
 
 
-def make_item(rng: random.Random) -> ShapeItem:
-    """One image and one question about it."""
+def make_item(rng: random.Random, kinds: tuple[str, ...] = KINDS) -> ShapeItem:
+    """One image and one question about it, of a kind drawn from `kinds` ("count", "colour")."""
     n = rng.randint(1, 3)
     shapes = [(rng.choice(SHAPES), rng.choice(list(COLOURS))) for _ in range(n)]
-    if rng.random() < 0.5:
+    coin = rng.random()  # drawn whatever `kinds`: the mixed task keeps its items for a seed
+    if "count" in kinds and ("colour" not in kinds or coin < 0.5):
         target = rng.choice(SHAPES)
         count = sum(1 for s, _ in shapes if s == target)
         question, answer = f"How many {target}s?", str(count)
@@ -67,9 +70,9 @@ def make_item(rng: random.Random) -> ShapeItem:
     return ShapeItem(question, answer, _draw(shapes, rng))
 
 
-def make_items(n: int, seed: int = 0) -> list[ShapeItem]:
+def make_items(n: int, seed: int = 0, kinds: tuple[str, ...] = KINDS) -> list[ShapeItem]:
     rng = random.Random(seed)
-    return [make_item(rng) for _ in range(n)]
+    return [make_item(rng, kinds) for _ in range(n)]
 
 
 def png_bytes(image: Any) -> bytes:
@@ -101,16 +104,19 @@ def llava_records(items: list[ShapeItem], image_dir: str | Path, json_path: str 
     return json_path
 
 
-TRAIN_ITEMS = 2000
+TRAIN_ITEMS = 16_000  # enough that 300 GRPO steps of 16 prompts see each image once (~15 s to write)
 
 
 def write_shapes_data(data_dir: str | Path, seed: int = 0, val_size: int = 64) -> None:
     """The shapes task's RL data under `data_dir`: LLaVA records and images (`llava_train.json`, `images/`),
-    then WebDataset shards `rl_train/` and `rl_val/` (the validation items drawn with another seed)."""
+    then WebDataset shards `rl_train/` and `rl_val/` (the validation items drawn with another seed), colour
+    questions only."""
     from rlhf.data.llava_shards import write_llava_shards
 
     data_dir = Path(data_dir)
-    for name, items in (("train", make_items(TRAIN_ITEMS, seed)), ("val", make_items(val_size, seed + 10_000))):
+    colour = ("colour",)
+    for name, items in (("train", make_items(TRAIN_ITEMS, seed, colour)),
+                        ("val", make_items(val_size, seed + 10_000, colour))):
         images = data_dir / f"images_{name}"
         records = llava_records(items, images, data_dir / f"llava_{name}.json")
-        write_llava_shards(records, images, data_dir / f"rl_{name}", shard_size=500, strict=True)
+        write_llava_shards(records, images, data_dir / f"rl_{name}", shard_size=2000, strict=True)

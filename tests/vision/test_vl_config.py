@@ -23,4 +23,4 @@ def test_unsupported_settings_fail_fast(override, message):
 
 def test_the_shipped_config_validates():
     cfg = load_config(CONFIG)
-    assert cfg.data.task == "shapes" and cfg.reward.fn == "text_exact_match" and cfg.policy.freeze_vision
+    assert cfg.data.task == "shapes" and cfg.reward.fn == "text_exact_match" and not cfg.policy.freeze_vision

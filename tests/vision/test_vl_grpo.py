@@ -30,7 +30,7 @@ def test_grpo_with_images_two_steps(tmp_path: Path, freeze_vision: bool):
                         "trainer.progress_bar=false",
                         f"trainer.output_dir={run}"], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    assert len(list((run / "data" / "rl_train").glob("shard-*.tar"))) == 4  # 2000 items, 500 per shard
+    assert len(list((run / "data" / "rl_train").glob("shard-*.tar"))) == 8  # 16000 items, 2000 per shard
     steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [s for s in steps if s["step"] > 0]
     assert [s["step"] for s in steps] == [1, 2]

@@ -24,7 +24,7 @@ def test_grpo_with_images_two_steps(tmp_path: Path, freeze_vision: bool):
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
     r = subprocess.run([sys.executable, "-m", "rlhf", "train", "configs/grpo_shapes_vl.yaml", "trainer.total_steps=2",
                         "trainer.val_every=2", "data.val_size=8", "data.prompts_per_step=4", "rollout.n=4",
-                        "policy.micro_batch_size=16", "model.warm_start_steps=2",
+                        "policy.micro_batch_size=16", "algorithm.mini_batches=1", "model.warm_start_steps=2",
                         "policy.optim.lr=1e-2",
                         "reward.fn=chars_reward:chars", "reward.num_workers=1", f"policy.freeze_vision={freeze_vision}",
                         "trainer.progress_bar=false",

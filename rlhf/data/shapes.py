@@ -104,7 +104,7 @@ def llava_records(items: list[ShapeItem], image_dir: str | Path, json_path: str 
     return json_path
 
 
-TRAIN_ITEMS = 16_000  # enough that 300 GRPO steps of 16 prompts see each image once (~15 s to write)
+TRAIN_ITEMS = 16_000  # 300 GRPO steps of 16 prompts never repeat an image (~15 s to write)
 
 
 def write_shapes_data(data_dir: str | Path, seed: int = 0, val_size: int = 64) -> None:

@@ -109,11 +109,19 @@ def test_resolve_checkpoint(tmp_path):
 
 
 def test_resume_refuses_a_changed_lr_schedule(lm_inputs, tmp_path):
-    from rlhf.driver.lm import _check_schedule, schedule_of
+    from rlhf.driver.checkpoints import check_schedule, schedule_of
 
     cfg = load_config(None, lm_overrides(lm_inputs, "pretrain", tmp_path))
     saved = schedule_of(cfg)
-    _check_schedule(saved, cfg, tmp_path)
+    check_schedule(saved, cfg, tmp_path)
     longer = load_config(None, lm_overrides(lm_inputs, "pretrain", tmp_path, "trainer.total_steps=8"))
     with pytest.raises(UserError, match=r"trainer.total_steps: checkpoint 4, config 8"):
-        _check_schedule(saved, longer, tmp_path)
+        check_schedule(saved, longer, tmp_path)
+    # a constant LR does not depend on the run's length: a longer run may resume it, another lr may not
+    flat = ["policy.optim.lr_decay_style=constant", "policy.optim.warmup_steps=0"]
+    saved = schedule_of(load_config(None, lm_overrides(lm_inputs, "pretrain", tmp_path, *flat)))
+    check_schedule(saved, load_config(None, lm_overrides(lm_inputs, "pretrain", tmp_path, *flat,
+                                                         "trainer.total_steps=8")), tmp_path)
+    with pytest.raises(UserError, match=r"policy.optim.lr: checkpoint 0.002, config 0.001"):
+        check_schedule(saved, load_config(None, lm_overrides(lm_inputs, "pretrain", tmp_path, *flat,
+                                                             "policy.optim.lr=1e-3")), tmp_path)

@@ -55,18 +55,10 @@ class ParamCount:
 
     dense: int = 0
     expert: int = 0
-    norm: int = 0  # of `dense`: norm weights (fp32 on CPU, where megatron falls back to torch norms)
 
     @property
     def total(self) -> int:
         return self.dense + self.expert
-
-
-def attention_norms(m: ModelSpec) -> int:
-    """Norm weights of one layer's attention block: input norm, q/k norms, MLA's low-rank norms."""
-    if m.mla:
-        return m.hidden + (m.q_lora if m.q_lora else 0) + m.kv_lora
-    return m.hidden + (2 * m.head_dim if m.qk_norm else 0)
 
 
 def attention_params(m: ModelSpec, tp: int) -> int:
@@ -114,13 +106,11 @@ def rank_params(m: ModelSpec, lay: Layout, rank: int, value_head: bool = False) 
         mlp = mlp_params(m, i, lay.tp, lay.ep, lay.etp)
         pc.dense += attention_params(m, lay.tp) + mlp.dense
         pc.expert += mlp.expert
-        pc.norm += attention_norms(m) + m.hidden  # + the MLP's input norm
     emb = padded_vocab(m.vocab, lay.tp) // lay.tp * m.hidden
     if rank == 0:
         pc.dense += emb
     if rank == lay.pp - 1:
         pc.dense += m.hidden  # final norm
-        pc.norm += m.hidden
         if value_head:
             pc.dense += m.hidden
         elif not (m.tie and lay.pp == 1):
@@ -147,14 +137,10 @@ def active_params(m: ModelSpec) -> float:
 
 
 # ---- parameter, gradient and optimizer bytes -----------------------------------------------------------
-def state_bytes(pc: ParamCount, lay: Layout, param_bytes: int, trainable: bool,
-                norm_bytes: int | None = None) -> dict[str, float]:
+def state_bytes(pc: ParamCount, lay: Layout, param_bytes: int, trainable: bool) -> dict[str, float]:
     """params / grads / optimizer bytes of one rank (ZeRO accounting as our engine builds it, see the module
-    docstring). `norm_bytes`: bytes of a norm weight (default `param_bytes`; 4 on CPU, where megatron's torch
-    norm fallback keeps them fp32 and the optimizer then keeps no master copy of them). Frozen roles hold
-    parameters only."""
-    nb = param_bytes if norm_bytes is None else norm_bytes
-    out = {"params": float((pc.total - pc.norm) * param_bytes + pc.norm * nb), "grads": 0.0, "optimizer": 0.0}
+    docstring); every weight, norms included, in the model's dtype. Frozen roles hold parameters only."""
+    out = {"params": float(pc.total * param_bytes), "grads": 0.0, "optimizer": 0.0}
     if not trainable:
         return out
     out["grads"] = float(pc.total * GRAD_BYTES)
@@ -164,7 +150,7 @@ def state_bytes(pc: ParamCount, lay: Layout, param_bytes: int, trainable: bool,
     def adam(n: int, n16: int) -> float:  # m and v for all, an fp32 master copy for the 16-bit ones
         return 8.0 * n + 4.0 * n16
 
-    dense16 = (pc.dense - pc.norm if param_bytes < 4 else 0) + (pc.norm if nb < 4 else 0)
+    dense16 = pc.dense if param_bytes < 4 else 0
     expert16 = pc.expert if param_bytes < 4 else 0
     if lay.dist_opt:
         out["optimizer"] = adam(pc.dense, dense16) / (lay.dp * lay.cp) + adam(pc.expert, expert16) / lay.edp

@@ -156,3 +156,31 @@ def masked_vs_alone_logits(hf_dir: str) -> dict:
         padded = run(padded_ids, position_ids(attn), mask, None if forced else mask)
         out["padded" + suffix] = max(float((padded[0, 2:] - ref_b).abs().max()), float((padded[1] - ref_a).abs().max()))
     return out
+
+
+def bf16_checkpoint_round_trip(model_dir: str, ckpt: str) -> dict:
+    """A bf16 MegatronEngine (fp32 master weights) saves with its optimizer and a fresh one loads it: every
+    weight's dtype, and the largest difference between the saved and the loaded weights and master copies."""
+    import torch
+
+    from workers.megatron.engine import MegatronEngine
+
+    def engine() -> MegatronEngine:
+        return MegatronEngine(model_dir, dtype="bfloat16", trainable=True, load_weights=False, optim={"lr": 1e-3})
+
+    def masters(eng: MegatronEngine) -> list[torch.Tensor]:
+        return [q.detach().clone() for g in eng.optimizer.param_groups for q in g["params"]]
+
+    a = engine()
+    a.optimizer_step()  # Adam creates its state
+    with torch.no_grad():
+        for p in a.module.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())).to(p.dtype))
+    a.optimizer.reload_model_params()  # the fp32 master copies follow the weights
+    a.save_checkpoint(ckpt)
+    b = engine()
+    b.load_checkpoint(ckpt)
+    pa, pb = dict(a.module.named_parameters()), dict(b.module.named_parameters())
+    return {"dtypes": sorted({str(p.dtype) for p in pb.values()}),
+            "weight_diff": max((pa[k].float() - pb[k].float()).abs().max().item() for k in pa),
+            "master_diff": max((x - y).abs().max().item() for x, y in zip(masters(a), masters(b), strict=True))}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from mcore_train_fns import compat_then_train, train_tiny_gpt
+from mcore_train_fns import bf16_checkpoint_round_trip, compat_then_train, train_tiny_gpt
 
 from workers.megatron.cpu_compat import MCORE_VERSION, check_mcore_version
 from workers.megatron.launch import run_distributed
@@ -33,3 +33,12 @@ def test_cpu_compat_and_training_tp1_tp2():
     tp2 = run_distributed(train_tiny_gpt, 2, tp=2)
     assert tp2[0] == tp2[1]  # both TP ranks see the same (all-reduced) loss
     assert max(abs(a - b) for a, b in zip(tp1, tp2[0])) < 1e-4, (tp1, tp2[0])
+
+
+def test_bf16_engine_checkpoint_round_trip(tiny_model_factory, tmp_path):
+    """A bf16 engine's checkpoint (weights and fp32 master copies) loads back exactly. On CPU megatron's torch
+    norm fallback builds fp32 norm weights, which its 16-bit optimizer's checkpoint mapped onto the wrong
+    weights (a shape assertion at save); the engine gives every weight the model's dtype."""
+    out = run_distributed(bf16_checkpoint_round_trip, 1, args=(tiny_model_factory("tiny-qwen3"), str(tmp_path / "ck")))[0]
+    assert out["dtypes"] == ["torch.bfloat16"]
+    assert out["weight_diff"] == 0 and out["master_diff"] == 0, out

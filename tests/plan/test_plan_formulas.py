@@ -94,10 +94,9 @@ def test_zero_optimizer_accounting():
     # experts shard over expert-DP = tp*cp*dp / (etp*ep): 8 GPUs, ep 4 -> edp 2
     moe = ParamCount(dense=0, expert=10**9)
     assert state_bytes(moe, Layout(dp=8, ep=4, etp=1), 2, True)["optimizer"] == 12e9 / 2
-    # fp32 norms in a bf16 model (megatron's CPU fallback): 4 bytes each, no master copy
-    normed = ParamCount(dense=1000, norm=100)
-    got = state_bytes(normed, Layout(dist_opt=False), 2, True, norm_bytes=4)
-    assert got == {"params": 900 * 2 + 100 * 4, "grads": 4000.0, "optimizer": 12 * 900 + 8 * 100}
+    # norms take the model's dtype like every other weight (the engine casts megatron's fp32 CPU norms)
+    got = state_bytes(ParamCount(dense=1000), Layout(dist_opt=False), 2, True)
+    assert got == {"params": 1000 * 2, "grads": 4000.0, "optimizer": 12 * 1000}
 
 
 def test_param_counts_equal_transformers_for_the_known_models():

@@ -269,6 +269,9 @@ def build_gpt_model(
         ).to(emb.inv_freq.dtype)
     if value_head and post_process:
         model.output_layer = ValueHead(config)
+    for p in model.parameters():  # megatron's CPU norm fallback builds fp32 weights; its 16-bit optimizer (and
+        if p.is_floating_point() and p.dtype != dtype:  # checkpoint) expects every weight in the model's dtype
+            p.data = p.data.to(dtype)
     if not cuda_absent():  # megatron puts its parallel layers on the GPU, plain torch modules (norms) stay put
         model.to(torch.device("cuda", torch.cuda.current_device()))
     if value_head and post_process and tp > 1:  # one init for all TP ranks: the head is replicated

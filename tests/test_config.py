@@ -125,7 +125,18 @@ def test_warm_start_target_needs_the_megatron_loop_and_held_out_prompts():
 
 def test_off_policy_correction_needs_the_recomputed_logprobs():
     msg = err(["algorithm.off_policy_correction=tis", "algorithm.old_logprobs=rollout"])
-    assert "off_policy_correction=tis" in msg and "algorithm.old_logprobs=recompute (got rollout)" in msg
+    assert "off_policy_correction=tis" in msg and "algorithm.old_logprobs=recompute or in_update (got rollout)" in msg
+
+
+def test_old_logprobs_in_update_needs_one_optimizer_step():
+    cfg = load_config(None, BASE + ["algorithm.old_logprobs=in_update", "algorithm.off_policy_correction=tis"])
+    assert cfg.algorithm.old_logprobs == "in_update"
+    msg = err(["algorithm.old_logprobs=in_update", "algorithm.ppo_epochs=2", "algorithm.mini_batches=2"])
+    assert "algorithm.ppo_epochs x algorithm.mini_batches = 2 x 2 = 4 steps" in msg
+    msg = err(["algorithm.old_logprobs=in_update", "algorithm.off_policy_correction=mis_token"])
+    assert "off_policy_correction=mis_token" in msg and "off_policy_correction=tis" in msg
+    msg = err(["algorithm.old_logprobs=in_update", "algorithm.kl_in_reward=true", "algorithm.kl_coef=0.1"])
+    assert "algorithm.kl_in_reward" in msg
 
 
 def test_parallel_divisibility():

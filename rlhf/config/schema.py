@@ -184,17 +184,6 @@ class AlgorithmConfig(PPOLossConfig, ValueLossConfig):
     kl_ctrl: str = "fixed"
     kl_target: float = 0.1
     kl_horizon: int = 10000
-    # "recompute": the policy recomputes the old logprobs after rollout (exact); "rollout": use the engine's
-    # sampled-token logprobs as the behaviour policy (saves a forward pass; fp32 engines match within 1e-3).
-    old_logprobs: str = "recompute"
-    # Samples older than the trained policy (rollout.mode=one_step_off): weight or mask response tokens by
-    # rho = exp(old_logprobs - rollout_logprobs) (algorithms.IS_CORRECTIONS: none | tis, weight min(rho,
-    # is_cap) | mis_token, drop tokens with rho outside [is_low, is_high] | mis_sequence, drop whole sequences
-    # by their geometric-mean rho); needs old_logprobs=recompute
-    off_policy_correction: str = "none"
-    is_cap: float = 2.0
-    is_low: float = 0.5
-    is_high: float = 2.0
     # DAPO's dynamic sampling: drop the groups whose rewards are all equal and refill the batch, in at most
     # max_resample_rounds rounds; a round draws the missing groups x oversample_factor prompts (the factor:
     # 1 / the share of groups expected to be informative), not a whole step's

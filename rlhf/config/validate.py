@@ -31,6 +31,7 @@ from workers.dtypes import DTYPE_NAMES
 from workers.megatron.deepseek_config import latent_size_error
 from workers.megatron.memory_levers import RECOMPUTE
 from workers.placement import PLACEMENTS
+from workers.roles.loss_config import OLD_LOGPROBS_SOURCES
 from workers.rollout.config import EngineOptions
 from workers.rollout.sampling import SamplingConfig
 
@@ -374,7 +375,16 @@ def validate_config(cfg: RunConfig) -> None:
     _choice(a.kl_kind, "algorithm.kl_kind", KL_KINDS)
     _choice(a.kl_ctrl, "algorithm.kl_ctrl", KL_CONTROLLERS)
     _choice(a.loss_agg_mode, "algorithm.loss_agg_mode", AGG_MODES)
-    _choice(a.old_logprobs, "algorithm.old_logprobs", ("recompute", "rollout"))
+    _choice(a.old_logprobs, "algorithm.old_logprobs", OLD_LOGPROBS_SOURCES)
+    if a.old_logprobs == "in_update" and a.ppo_epochs * a.mini_batches != 1:
+        raise ConfigError(
+            f"algorithm.old_logprobs=in_update takes the old log-probs from the update's forward before its only "
+            f"optimizer step, but algorithm.ppo_epochs x algorithm.mini_batches = {a.ppo_epochs} x {a.mini_batches} "
+            f"= {a.ppo_epochs * a.mini_batches} steps; use algorithm.old_logprobs=recompute or one step")
+    if a.old_logprobs == "in_update" and a.kl_in_reward and a.kl_coef > 0:
+        raise ConfigError("algorithm.old_logprobs=in_update: algorithm.kl_in_reward needs the old log-probs before "
+                          "the advantages, which in_update has only inside the update; use recompute, or KL as a "
+                          "loss (algorithm.kl_in_reward=false)")
     if a.old_logprobs == "rollout" and (r.top_p < 1 or r.top_k != -1):
         raise ConfigError(
             f"algorithm.old_logprobs=rollout with rollout.top_p={r.top_p} / rollout.top_k={r.top_k}: the engine's "
@@ -417,10 +427,14 @@ def _check_pipeline(cfg: RunConfig) -> None:
                               f"cannot generate the next step meanwhile; use rollout.mode=sync (got {r.mode})")
     _check_async(cfg)
     _choice(a.off_policy_correction, "algorithm.off_policy_correction", IS_CORRECTIONS)
-    if a.off_policy_correction != "none" and a.old_logprobs != "recompute":
+    if a.off_policy_correction != "none" and a.old_logprobs == "rollout":
         raise ConfigError(f"algorithm.off_policy_correction={a.off_policy_correction} compares the policy's "
-                          "recomputed log-probs with the engine's, so it needs algorithm.old_logprobs=recompute "
+                          "log-probs with the engine's, so it needs algorithm.old_logprobs=recompute or in_update "
                           f"(got {a.old_logprobs})")
+    if a.off_policy_correction.startswith("mis") and a.old_logprobs == "in_update":
+        raise ConfigError(f"algorithm.off_policy_correction={a.off_policy_correction} drops tokens before the "
+                          "loss's normaliser is counted, which in_update cannot (it sees the ratios only inside "
+                          "the update); use algorithm.old_logprobs=recompute, or off_policy_correction=tis")
     _require(a.is_cap >= 1, "algorithm.is_cap", "a weight cap >= 1", a.is_cap)
     _require(a.oversample_factor >= 1, "algorithm.oversample_factor", "a factor >= 1 (prompts drawn per missing "
              "group)", a.oversample_factor)

@@ -26,7 +26,8 @@ def add_advantages(batch: Batch, algo: AlgorithmConfig, kl_coef: float) -> tuple
     rewards = token_level_scores(batch)
     metrics: dict[str, float] = {"kl": 0.0}  # no reference: the policy is not regularised towards one
     if "ref_logprobs" in batch:
-        kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], algo.kl_kind)
+        old = batch["old_logprobs"] if "old_logprobs" in batch else batch["rollout_logprobs"]  # in_update: the engine's
+        kl = kl_estimate(old, batch["ref_logprobs"], algo.kl_kind)
         metrics["kl"] = float(masked_mean(kl, mask))
         if algo.kl_in_reward and kl_coef > 0:
             rewards, _ = apply_kl_penalty(rewards, kl, kl_coef, mask)
@@ -43,7 +44,7 @@ def add_advantages(batch: Batch, algo: AlgorithmConfig, kl_coef: float) -> tuple
     )
     batch["token_level_rewards"], batch["advantages"], batch["returns"] = rewards, adv, ret
     metrics["advantage_abs_mean"] = float(masked_mean(adv.abs(), mask))
-    if algo.off_policy_correction != "none":
+    if algo.off_policy_correction != "none" and algo.old_logprobs != "in_update":  # in_update: in the update
         metrics.update(correct_off_policy(batch, algo))
     return batch, metrics
 

@@ -85,13 +85,15 @@ def whole_groups_dividing(batch: Batch, divisor: int) -> Batch:
 
 def add_logprobs(roles: Roles, batch: Batch, ctx: StepContext) -> Batch:
     """The reference's logprobs (when there is one) and the behaviour policy's: recomputed by the policy
-    (then the step also logs the engine's mismatch to them, `mismatch/*`), or the engine's sampled-token
-    logprobs."""
+    (then the step also logs the engine's mismatch to them, `mismatch/*`), the engine's sampled-token
+    logprobs, or none yet (`in_update`: the policy's update takes its own)."""
     if roles.reference is not None:
         with ctx.phase("reference"):
             batch = roles.reference.logprobs(batch, key="ref_logprobs")
     if ctx.cfg.algorithm.old_logprobs == "rollout":
         batch["old_logprobs"] = batch["rollout_logprobs"]
+        return batch
+    if ctx.cfg.algorithm.old_logprobs == "in_update":  # the policy's update takes them (and logs `mismatch/*`)
         return batch
     with ctx.phase("old_logprobs"):
         batch = roles.policy.logprobs(batch, key="old_logprobs")

@@ -186,15 +186,16 @@ def test_ppo_two_steps(tmp_path):
 def test_grpo_one_step_off_on_two_engines_and_resume(tmp_path):
     """rollout.mode=one_step_off on rollout.num_engines=2 with truncated importance sampling: from step 2 on
     each batch was sampled by the weights before the previous update (version lag 1), so the engines'
-    log-probs are off the recomputed ones by far more than the rounding of an on-policy step, and the
-    correction logs its ratios. A resumed run draws the prompts of the step after the checkpoint again and
+    log-probs are off the policy's by far more than the rounding of an on-policy step, and the correction
+    logs its ratios. The old log-probs come from the update's own forward (`in_update`, no recompute pass:
+    no `old_logprobs` phase). A resumed run draws the prompts of the step after the checkpoint again and
     generates them on the restored weights (lag 0), then goes on one step off."""
     run = tmp_path / "async"
     # the response's length as the reward, so the groups' advantages are not all 0 and each update moves the policy
     (tmp_path / "length_reward.py").write_text("def length(prompt, response, ground_truth):\n"
                                                "    return float(len(response))\n")
     args = ["configs/grpo_tiny.yaml", *FAST, "reward.fn=length_reward:length", "reward.num_workers=1", "rollout.temperature=0.7", "rollout.num_engines=2",
-            "rollout.num_cpus=0.5", "rollout.mode=one_step_off", "algorithm.old_logprobs=recompute",
+            "rollout.num_cpus=0.5", "rollout.mode=one_step_off", "algorithm.old_logprobs=in_update",
             "algorithm.off_policy_correction=tis", "policy.optim.lr=1e-3", "trainer.save_every=3",
             f"trainer.output_dir={run}"]
     r = rlhf("train", *args, "trainer.total_steps=3", path=tmp_path)
@@ -205,6 +206,7 @@ def test_grpo_one_step_off_on_two_engines_and_resume(tmp_path):
     # each engine's samples were scored as they returned (prefetched ones while the next sync waited for them)
     assert all(0 <= row["rollout/scored_while_generating"] <= 1 for row in rows), rows
     assert rows[0]["mismatch/logprob_abs_diff_max"] < 1e-3  # step 1: on-policy, the rounding only
+    assert not any("time/old_logprobs" in row for row in rows), rows[0]
     for row in rows[1:]:
         assert row["mismatch/logprob_abs_diff_max"] > 10 * rows[0]["mismatch/logprob_abs_diff_max"], row
         assert row["off_policy/is_ratio_max"] > 1.0 and 0 <= row["off_policy/capped_fraction"] < 1, row

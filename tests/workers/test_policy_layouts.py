@@ -96,6 +96,38 @@ def test_train_step_same_update_across_layouts(env):
             assert metrics[name][key] == pytest.approx(metrics["tp1"][key], rel=1e-5, abs=1e-6), (name, key)
 
 
+def test_old_logprobs_in_update_match_a_recompute_pass(env, tmp_path):
+    """`old_logprobs=in_update` (the update's own forward, detached) makes the update a recomputing pass and
+    the driver's truncated-IS correction make, and logs the same `mismatch/*` and `off_policy/*`."""
+    from algorithms import logprob_mismatch, rollout_correction
+
+    g = env["groups"]["tp2"]
+    batch = make_rl_batch(n=8, seed=11)
+    mask = batch["response_mask"]
+    g.save_checkpoint(str(tmp_path / "ckpt"))
+    old = g.compute_logprobs(batch)["logprobs"]
+    shift = 0.4 * torch.randn(old.shape, generator=torch.Generator().manual_seed(0))
+    batch["rollout_logprobs"] = (old + shift) * mask  # samples of an older policy
+    weights, _, om = rollout_correction(old, batch["rollout_logprobs"], mask, "tis", cap=1.5)
+    loss = {"clip_low": 0.2, "clip_high": 0.28, "off_policy_correction": "tis", "is_cap": 1.5}
+    driver = batch.select(["input_ids", "attention_mask", "responses", "response_mask"])
+    driver["old_logprobs"], driver["advantages"] = old, batch["advantages"] * weights
+    ref = g.train_step(driver, {**loss, "old_logprobs": "recompute"})
+    w_ref = fetch_state_dict(g.state_dict_for_rollout())
+    g.load_checkpoint(str(tmp_path / "ckpt"))
+    got = g.train_step(batch, {**loss, "old_logprobs": "in_update"})
+    w_got = fetch_state_dict(g.state_dict_for_rollout())
+    assert max((w_got[k] - w_ref[k]).abs().max().item() for k in w_ref) <= 1e-5
+    for key in ("loss", "pg_loss", "grad_norm"):
+        assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), key
+    assert 0 < om["capped_fraction"] < 1  # the cap did bite
+    for key in ("is_ratio_mean", "is_ratio_max", "capped_fraction"):
+        assert got[f"off_policy/{key}"] == pytest.approx(om[key], rel=1e-4), key
+    mis = logprob_mismatch(batch["rollout_logprobs"], old, mask)
+    for key in ("logprob_abs_diff_mean", "logprob_abs_diff_max", "kl"):
+        assert got[f"mismatch/{key}"] == pytest.approx(mis[key], rel=1e-4), key
+
+
 def test_checkpoint_round_trip_and_reshard(env, tmp_path):
     tp1, tp2 = env["groups"]["tp1"], env["groups"]["pp2"]
     batch = make_rl_batch(n=8, seed=4)

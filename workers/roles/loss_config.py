@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# where the PPO ratio's old log-probs come from (`PPOLossConfig.old_logprobs`)
+OLD_LOGPROBS_SOURCES = ("recompute", "rollout", "in_update")
+
 
 @dataclass
 class UpdateConfig:
@@ -37,6 +40,19 @@ class PPOLossConfig(UpdateConfig):
     entropy_coef: float = 0.0
     kl_coef: float = 0.0  # > 0 with `ref_logprobs` in the batch: KL as a loss term
     kl_kind: str = "k3"  # algorithms.KL_KINDS or an alias in algorithms.KL_ALIASES
+    # The behaviour policy's log-probs (the PPO ratio's denominator): "recompute": a forward pass of the policy
+    # after the rollout (exact); "rollout": the engine's sampled-token log-probs (saves that pass; fp32 engines
+    # match within 1e-3); "in_update": the update's own forward, detached before its only optimizer step
+    # (exact like recompute, without its pass; needs ppo_epochs = mini_batches = 1, as verl's on-policy update)
+    old_logprobs: str = "recompute"
+    # Samples older than the trained policy (rollout.mode=one_step_off): weight or mask response tokens by
+    # rho = exp(old_logprobs - rollout_logprobs) (algorithms.IS_CORRECTIONS: none | tis, weight min(rho,
+    # is_cap) | mis_token, drop tokens with rho outside [is_low, is_high] | mis_sequence, drop whole sequences
+    # by their geometric-mean rho); needs old_logprobs=recompute, or in_update with none | tis
+    off_policy_correction: str = "none"
+    is_cap: float = 2.0
+    is_low: float = 0.5
+    is_high: float = 2.0
 
 
 @dataclass

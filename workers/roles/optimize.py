@@ -26,12 +26,13 @@ from workers.roles.micro import response_micros, response_slice
 class Metrics:
     """Per-micro-batch metrics, reduced over the DP group on the last PP stage: `add_sum` values are
     summed (e.g. loss parts already divided by the global normaliser, token counts), `add_mean` values
-    are weighted means (e.g. clipfrac weighted by tokens)."""
+    are weighted means (e.g. clipfrac weighted by tokens), `add_max` values their maximum."""
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = {}
         self.wsums: dict[str, float] = {}
         self.weights: dict[str, float] = {}
+        self.maxes: dict[str, float] = {}
 
     @staticmethod
     def _f(v: Any) -> float:
@@ -45,6 +46,10 @@ class Metrics:
         for k, v in values.items():
             self.wsums[k] = self.wsums.get(k, 0.0) + self._f(v) * weight
             self.weights[k] = self.weights.get(k, 0.0) + weight
+
+    def add_max(self, values: dict[str, Any]) -> None:
+        for k, v in values.items():
+            self.maxes[k] = max(self.maxes.get(k, -float("inf")), self._f(v))
 
     def reduce(self, group: Any, active: bool, device: torch.device) -> dict[str, float]:
         """Collective over `group` when `active` (call it on the last PP stage only); {} otherwise. The sums
@@ -63,7 +68,16 @@ class Metrics:
         for i, k in enumerate(mk):
             w = t[n + m + i].item()
             out[k] = t[n + i].item() / w if w > 0 else 0.0
-        return out
+        return out | self._reduce_max(group, device)
+
+    def _reduce_max(self, group: Any, device: torch.device) -> dict[str, float]:
+        keys = sorted(self.maxes)
+        t = torch.tensor([self.maxes[k] for k in keys], dtype=torch.float64)
+        if t.numel() and torch.distributed.get_world_size(group) > 1:
+            t = t.to(device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
+            t = t.cpu()
+        return {k: t[i].item() for i, k in enumerate(keys)}
 
 
 MicroLoss = Callable[[Micro, torch.Tensor, Metrics], torch.Tensor]

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from algorithms import agg_loss, kl_estimate, policy_loss
+from algorithms import agg_loss, kl_estimate, logprob_mismatch, policy_loss, rollout_correction
 from workers.batch import Batch
 from workers.config import build
 from workers.dispatch import DP_COMPUTE, ONE_TO_ALL, register, split_by_minibatch
@@ -69,8 +69,10 @@ class PolicyWorker(RolloutSyncMixin, LogprobMixin, LMMixin, PreferenceMixin, Meg
         def loss_fn(sl: torch.Tensor, f: dict[str, torch.Tensor], mask: torch.Tensor, norm: torch.Tensor,
                     acc: Metrics) -> torch.Tensor:
             logp, ent = vocab_parallel_logprobs(scale_logits(sl, temperature), f["responses"], vocab, need_entropy)
-            pg, m = policy_loss(logp, f["old_logprobs"].float(), f["advantages"].float(), mask,
-                                cfg.clip_low, cfg.clip_high, cfg.clip_c, agg, normalizer=norm)
+            old, adv = f["old_logprobs"].float() if "old_logprobs" in f else None, f["advantages"].float()
+            if old is None:  # in_update: the policy before this, the only step, is the one computing logp
+                old, adv = logp.detach().float(), correct_in_update(logp, adv, f, mask, cfg, acc)
+            pg, m = policy_loss(logp, old, adv, mask, cfg.clip_low, cfg.clip_high, cfg.clip_c, agg, normalizer=norm)
             loss = pg
             parts = {"pg_loss": pg.detach()}
             if need_entropy:
@@ -87,7 +89,8 @@ class PolicyWorker(RolloutSyncMixin, LogprobMixin, LMMixin, PreferenceMixin, Meg
             acc.add_mean(m, weight=n_tok)
             return loss
 
-        keys = ["advantages", "old_logprobs", "ref_logprobs"]
+        keys = ["advantages", "ref_logprobs"]
+        keys.append("rollout_logprobs" if cfg.old_logprobs == "in_update" else "old_logprobs")
         if self.engine.moe is not None and self.engine.moe.routing_replay:
             keys.append(ROUTES_KEY)  # R3: the update routes each token to the rollout's experts
         out = optimize_responses(self, batch, cfg, keys, loss_fn, micro_batch_size)
@@ -122,6 +125,26 @@ class PolicyWorker(RolloutSyncMixin, LogprobMixin, LMMixin, PreferenceMixin, Meg
         out = write_peft_adapter(self.engine, out_dir)
         size = (out / WEIGHTS_FILE).stat().st_size if torch.distributed.get_rank() == 0 else 0
         return {"bytes": float(size), "time_s": time.perf_counter() - t0}
+
+
+def correct_in_update(logp: torch.Tensor, adv: torch.Tensor, f: dict[str, torch.Tensor], mask: torch.Tensor,
+                      cfg: PPOLossConfig, acc: Metrics) -> torch.Tensor:
+    """`old_logprobs=in_update`: the engine's mismatch to the policy (`mismatch/*`) and the off-policy
+    correction's weights on the advantages (`off_policy/*`), from this micro-batch's own log-probs; what the
+    driver computes from a recomputing pass otherwise. Returns the advantages to train on."""
+    if "rollout_logprobs" not in f:
+        return adv
+    n_tok = float(mask.sum())
+    mis = logprob_mismatch(f["rollout_logprobs"], logp, mask)
+    acc.add_max({"mismatch/logprob_abs_diff_max": mis.pop("logprob_abs_diff_max")})
+    acc.add_mean({f"mismatch/{k}": v for k, v in mis.items()}, weight=n_tok)
+    if cfg.off_policy_correction == "none":
+        return adv
+    weights, _, om = rollout_correction(logp.detach(), f["rollout_logprobs"], mask, cfg.off_policy_correction,
+                                        cap=cfg.is_cap, low=cfg.is_low, high=cfg.is_high)
+    acc.add_max({"off_policy/is_ratio_max": om.pop("is_ratio_max")})
+    acc.add_mean({f"off_policy/{k}": v for k, v in om.items()}, weight=n_tok)
+    return adv * weights
 
 
 def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:

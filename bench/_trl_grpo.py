@@ -75,7 +75,7 @@ def run(spec: dict) -> dict:
         output_dir=str(out / "trl"),
         use_cpu=True,
         use_vllm=False,
-        bf16=False,
+        bf16=bool(spec.get("bf16")),  # mixed precision: fp32 weights, bf16 autocast (generation included)
         fp16=False,
         learning_rate=float(spec["lr"]),
         lr_scheduler_type="constant",

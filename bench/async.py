@@ -4,8 +4,9 @@ Both runs start from the same cached SFT warm start of arith-qwen2 and take the 
 (configs/grpo_tiny.yaml) with `--steps` steps. `sync` as shipped (generation and training alternate, each with
 2 threads); `one_step_off` generates the next step's samples while this step trains, with
 `algorithm.off_policy_correction=tis`; generation gets one thread and the trainer two (measured: 1 + 1 threads
-gave a 0.73 step-time ratio, the trainer's passes being the longer side). Both
-recompute the old log-probs (the correction needs them). Reported: the median step time after `--skip` warm-up
+gave a 0.73 step-time ratio, the trainer's passes being the longer side). Every mode takes the old
+log-probs from its one optimizer step's forward (`algorithm.old_logprobs=in_update`, which the correction
+uses; no recompute pass). Reported: the median step time after `--skip` warm-up
 steps, the ratio one_step_off / sync (`RATIO step_time_one_step_off_vs_sync`, target <= 0.7) and the greedy
 held-out accuracy at the last step of each (target: within 5 points of sync). `async` is the bounded-staleness
 buffer with partial rollouts of 2 tokens a round (`rollout.max_staleness=1`), with the same threads and
@@ -40,7 +41,7 @@ def overrides(model: Path, data: dict[str, Path], steps: int) -> list[str]:
     return [
         f"model.path={model}", "model.preset=null", "model.warm_start_steps=0", "data.task=null",
         f"data.train_file={data['rl_train']}", f"data.val_file={data['rl_val']}", "data.val_size=0",
-        "data.messages_key=messages", "algorithm.old_logprobs=recompute", f"trainer.total_steps={steps}",
+        "data.messages_key=messages", "algorithm.old_logprobs=in_update", f"trainer.total_steps={steps}",
         f"trainer.val_every={steps}", "trainer.save_every=0", "trainer.export_hf=false",
         "trainer.progress_bar=false", "trainer.tensorboard=false",
     ]

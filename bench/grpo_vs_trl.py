@@ -16,7 +16,9 @@ small-scale overrides below), so TRL follows the config.
 - small: small-qwen2 (~30M parameters, random init), 128-token completions, reward = the fraction of digits
   in the completion (`bench._common:digit_fraction`, so groups have spread). Median seconds per step after
   the first step, in --rounds (2) alternating TRL/ours rounds; the figure is the median of the per-round
-  ratios. Prints `RATIO step_time_vs_trl_small <ours/theirs>` (target <= 0.8).
+  ratios. Prints `RATIO step_time_vs_trl_small <ours/theirs>` (target <= 0.5 with the best mode, issue 18).
+  --precision bf16 gives both sides mixed precision (TRL bf16=True; ours a bf16 policy and engine); an
+  overlapped --mode runs our side one step longer and drops that step (it has no next generation to hide).
 
 Usage: python bench/grpo_vs_trl.py [--quick] [--scale tiny|small|both] [--budget SECONDS] [--mode sync|one_step_off] ...
 The runs go under runs/bench/grpo_vs_trl/ (logs next to each run dir).
@@ -37,7 +39,7 @@ CONFIG = "configs/grpo_tiny.yaml"
 # our pipeline modes at the small scale (TRL's trainer has none: it generates, then trains)
 OUR_MODES = {
     "sync": [],
-    "one_step_off": ["rollout.mode=one_step_off", "algorithm.old_logprobs=recompute",
+    "one_step_off": ["rollout.mode=one_step_off", "algorithm.old_logprobs=in_update",
                      "algorithm.off_policy_correction=tis", "rollout.num_threads=1", "policy.resources.num_threads=2"],
 }
 OUT = C.WORK / "grpo_vs_trl"
@@ -156,25 +158,31 @@ def small(args) -> float:
     micro = min(args.small_micro, n * pps)
     overrides = _shared_overrides(model, data) + [
         f"rollout.n={n}", f"data.prompts_per_step={pps}", "rollout.max_tokens=128",
-        f"rollout.dtype={args.small_rollout_dtype}", "rollout.kv_cache_gb=1",
+        f"rollout.dtype={'bfloat16' if args.precision == 'bf16' else args.small_rollout_dtype}",
+        f"policy.dtype={'bfloat16' if args.precision == 'bf16' else 'float32'}", "rollout.kv_cache_gb=1",
         f"policy.micro_batch_size={micro}", "reward.fn=bench._common:digit_fraction",
         f"trainer.total_steps={steps}", "trainer.val_every=0", "data.val_file=null", "data.val_size=0",
     ] + OUR_MODES[args.mode]
+    # An overlapped mode's last step has no next generation to hide, so it runs one more step and drops it.
+    extra = 0 if args.mode == "sync" else 1
     cfg = _cfg(overrides)
     _check_same(cfg)
     print(f"small: {C.param_count(model):,} parameters, {pps} prompts x {n} samples x 128 max tokens, "
-          f"{steps} steps per side (median over steps 2..{steps}), our rollout dtype {args.small_rollout_dtype}, "
-          f"our rollout.mode {args.mode}",
+          f"{steps} steps per side (median over steps 2..{steps}; ours runs {extra} more and drops it), our rollout "
+          f"dtype {'bfloat16' if args.precision == 'bf16' else args.small_rollout_dtype}, "
+          f"our rollout.mode {args.mode}, precision {args.precision} (both sides)",
           flush=True)
     rows, ratios = [], []
     for rnd in range(1, args.rounds + 1):
         load0 = C.machine()["load1"]
-        spec = _trl_spec(cfg, model, data, OUT / f"small_trl_{rnd}", args.trl_threads, max_steps=steps)
+        spec = _trl_spec(cfg, model, data, OUT / f"small_trl_{rnd}", args.trl_threads, max_steps=steps,
+                         bf16=args.precision == "bf16")
         trl = C.run_trl(spec, timeout_s=3600)
         load1 = C.machine()["load1"]
-        ours = C.run_ours(CONFIG, overrides, OUT / f"small_ours_{rnd}", timeout_s=3600)
+        ours = C.run_ours(CONFIG, [*overrides, f"trainer.total_steps={steps + extra}"], OUT / f"small_ours_{rnd}",
+                          timeout_s=3600)
         trl_med = C.median(s["step_time_s"] for s in trl["steps"][1:])
-        ours_med = C.median(C.step_times(ours["rows"]))
+        ours_med = C.median(C.step_times(ours["rows"])[: steps - 1])
         ratios.append(ours_med / trl_med)
         ours_rows = [r for r in ours["rows"] if r.get("step", 0) >= 1]
         phases = sorted({k for r in ours_rows for k in r if k.startswith("time/")})
@@ -183,7 +191,7 @@ def small(args) -> float:
              C.median(s.get("completions/mean_length", 0) for s in trl["steps"]), "-", load0],
             [f"{rnd}: ours (rlhf train)", len(ours_rows), ours_med,
              C.median(r.get("response_length_mean", 0) for r in ours_rows),
-             ", ".join(f"{p[5:]} {C.median(r.get(p, 0) for r in ours_rows[1:] or ours_rows):.2f}" for p in phases),
+             ", ".join(f"{p[5:]} {C.median(r.get(p, 0) for r in ours_rows[1:steps] or ours_rows):.2f}" for p in phases),
              load1],
         ]
         print(f"  round {rnd}: ours/TRL = {ratios[-1]:.3f}", flush=True)
@@ -213,6 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="small: alternating TRL/ours rounds; the figure is the "
                    "median of the per-round ratios (the load on a shared machine drifts between runs)")
     p.add_argument("--small-rollout-dtype", default="float32", help="small: our vLLM dtype (TRL generates in fp32)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="small: both sides' training precision. bf16: TRL with bf16=True (fp32 weights, bf16 "
+                        "autocast, its generation included); ours with policy.dtype=bfloat16 (bf16 weights, fp32 "
+                        "master copies in the optimizer) and a bf16 vLLM engine")
     p.add_argument("--mode", choices=sorted(OUR_MODES), default="sync",
                    help="small: our rollout.mode (one_step_off: generation on 1 thread beside the trainer on 2, "
                         "old log-probs recomputed, truncated-IS correction)")

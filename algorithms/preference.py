@@ -31,8 +31,6 @@ import torch.nn.functional as F
 __all__ = ["PREFERENCE_LOSSES", "bradley_terry_loss", "check_preference_loss", "preference_loss"]
 
 PREFERENCE_LOSSES = ("sigmoid", "ipo", "simpo")
-# Losses that read reference log-probs.
-REFERENCE_FREE = ("simpo",)
 
 
 def check_preference_loss(name: str) -> None:

@@ -24,7 +24,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -184,16 +183,6 @@ class LocalCluster:
     def kill_node(self, name: str) -> None:
         """SIGKILL node `name`'s raylet and every process it started (a machine that is gone)."""
         kill_pids(self.node_pids(name), grace_s=0)
-
-    def wait_nodes(self, count: int, timeout_s: float = 60.0) -> None:
-        """Wait until the (connected) driver sees `count` live nodes."""
-        import ray
-
-        deadline = time.monotonic() + timeout_s
-        while len([n for n in ray.nodes() if n.get("Alive")]) != count:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the cluster did not reach {count} live nodes within {timeout_s:g}s")
-            time.sleep(0.5)
 
     def stop(self) -> None:
         """Stop every node, workers first, by PID."""

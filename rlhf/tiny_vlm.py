@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-IMAGE_TOKEN = "<|image_pad|>"
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 PATCH_SIZE = 14
 MERGE_SIZE = 2

@@ -78,26 +78,3 @@ def vl_sft_warm_start(model_dir: str | Path, records: list[dict[str, Any]], out_
     proc.tokenizer.save_pretrained(out)
     proc.image_processor.save_pretrained(out)
     return out
-
-
-@torch.no_grad()
-def vl_greedy_accuracy(model_dir: str | Path, records: list[dict[str, Any]], reward_fn: Any,
-                       max_new_tokens: int = 4, batch_size: int = 32) -> float:
-    """Greedy-decode each image prompt with HF `generate`; the fraction `reward_fn` scores 1."""
-    from transformers import Qwen2VLForConditionalGeneration
-
-    from workers.vision.hf_compat import load_processor
-
-    proc = load_processor(str(model_dir))
-    model = Qwen2VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-    hits = 0.0
-    pad = proc.tokenizer.pad_token_id
-    for i in range(0, len(records), batch_size):
-        chunk = records[i:i + batch_size]
-        b = _collate([_encode(proc, r, with_answer=False) for r in chunk], pad, left=True)
-        b.pop("target")
-        out = model.generate(**b, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
-                             eos_token_id=proc.tokenizer.eos_token_id)
-        texts = proc.tokenizer.batch_decode(out[:, b["input_ids"].shape[1]:], skip_special_tokens=True)
-        hits += sum(float(reward_fn(r["messages"], t, r["ground_truth"])) for r, t in zip(chunk, texts))
-    return hits / max(len(records), 1)

@@ -90,9 +90,6 @@ def _answer_index(path: Path, line: int, ans: Any, n: int) -> int:
 
 # ---- multiple choice -------------------------------------------------------------------------------------
 
-MCRow = tuple[str, list[str], int]  # question, choices, answer index
-
-
 def _mc_rows(path: Path) -> list[Row]:
     return _mc_csv(path) if path.suffix == ".csv" else _mc_jsonl(path)
 

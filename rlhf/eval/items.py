@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 
@@ -30,8 +29,3 @@ class Task:
 
     def __post_init__(self) -> None:
         self.short = self.short or self.name
-
-
-def short_name(kind: str, path: str | Path) -> str:
-    """`kind:stem` of a file task (metric keys stay short and free of the folder)."""
-    return f"{kind}:{Path(path).stem}"

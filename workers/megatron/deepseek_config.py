@@ -160,12 +160,6 @@ def check_router(cfg: Any, version: str) -> None:
                          "DeepseekV2 ignores it while vLLM renormalises the top-k weights)")
 
 
-def _yarn_mscale(factor: float, mscale: float) -> float:
-    import math
-
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
 def rope_fields(cfg: Any) -> dict[str, Any]:
     """megatron MLA rope fields (`rope_type` rope / yarn and YaRN's parameters) from a HF config; ValueError
     naming the field for what megatron's MLA rope cannot reproduce."""

@@ -79,13 +79,6 @@ def install() -> None:
         qwen2_vl.Qwen2VLImageProcessor = pil.Qwen2VLImageProcessorPil
 
 
-def no_video_processor() -> Any:
-    """The stand-in video processor (to build a `Qwen2VLProcessor` by hand); None with torchvision."""
-    install()
-    cls = getattr(sys.modules[__name__], NO_VIDEO_NAME, None)
-    return cls() if cls is not None else None
-
-
 def load_processor(path: str) -> Any:
     """The HF processor of the model folder `path` (tokenizer + image processor)."""
     install()

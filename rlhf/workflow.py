@@ -308,7 +308,8 @@ def _rollout_handle(cfg: RunConfig, run_dir: Path, temp: float, pool: Any = None
                          log_dir=run_dir / "logs", resource_pool=pool)
     agent = build(AgentOptions, r) if r.tools or r.env else None
     sampling = build(SamplingConfig, r).validate()
-    handle = RolloutHandle(group, sampling, build(SyncConfig, r, timeout_s=cfg.trainer.timeout_s), agent,
+    handle = RolloutHandle(group, sampling, build(SyncConfig, r, timeout_s=cfg.trainer.timeout_s,
+                                                     policy_dtype=cfg.policy.dtype), agent,
                            colocated=pool is not None)
     if r.mode == "async":
         handle.buffer = AsyncRollout(group.start_generate, prompt_encoder(cfg.model.tokenizer_path or cfg.model.path),

@@ -141,9 +141,10 @@ def test_grpo_per_family(tmp_path, preset):
 def test_ppo_two_steps(tmp_path):
     """PPO with a critic, and benchmark evaluation every step through the running engine. The engine is
     colocated with the policy: one placement group for both, and the engine sleeps while the policy trains
-    (no-ops on CPU, but called in that order every step)."""
+    (no-ops on CPU, but called in that order every step). The critic computes in bf16 and saves its checkpoint."""
     run = tmp_path / "ppo"
     r = rlhf("train", "configs/ppo_tiny.yaml", *FAST, "critic.micro_batch_size=8", "reference.micro_batch_size=8",
+             "critic.dtype=bfloat16",
              "trainer.total_steps=2", "trainer.save_every=2", f"trainer.output_dir={run}", "trainer.eval_every=1",
              "trainer.eval_tasks=[rg:basic_arithmetic,humaneval]", "trainer.eval_limit=2", "trainer.eval_max_tokens=8",
              "rollout.colocate_with=policy")

@@ -13,11 +13,14 @@ QUICK = [*FAST, "trainer.total_steps=2", "trainer.val_every=0", "data.val_size=4
 
 def test_grpo_with_reference_kl_loss_and_a_reward_model(tmp_path, tiny_model_factory):
     """One run with every optional role: the reference's log-probs feed KL as a loss term, and a reward-model
-    group scores the rollouts instead of a reward function."""
+    group scores the rollouts instead of a reward function. Policy and reference compute in bf16 beside a
+    float32 engine: the first sync's verification allows for the policy's 16-bit rounding (at fp32's
+    tolerance the run stopped there)."""
     run = tmp_path / "roles"
     rm_path = tiny_model_factory("arith-qwen2")  # an LM checkpoint: the value head starts from its init
     r = rlhf("train", "configs/grpo_tiny.yaml", *QUICK, "reference.enabled=true", "reference.micro_batch_size=8",
-             "reference.resources.num_threads=2", "algorithm.kl_coef=0.1", "algorithm.kl_in_reward=false",
+             "reference.resources.num_threads=2", "policy.dtype=bfloat16", "reference.dtype=bfloat16",
+             "algorithm.kl_coef=0.1", "algorithm.kl_in_reward=false",
              "algorithm.entropy_coef=0.01", f"reward.model_path={rm_path}", "reward_model.micro_batch_size=16",
              f"trainer.output_dir={run}")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]

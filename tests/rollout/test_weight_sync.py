@@ -124,6 +124,25 @@ def test_sync_after_a_train_step_matches_the_policy(env, layout, transport):
         rollout.sync_weights(policy, SyncConfig(sync_transport="shm", timeout_s=60), verify=True)
 
 
+def test_a_bf16_policy_is_verified_against_a_float32_engine_at_16_bit_tolerance(env, tmp_path):
+    """policy.dtype=bfloat16 with a float32 engine: the engine holds the bf16 values but computes in fp32, so
+    the two differ by bf16 rounding; the verification compares them at the 16-bit tolerance, not fp32's."""
+    rollout = env["rollout"]
+    policy = WorkerGroup("policy", POLICY_CLS, name="sync-policy-bf16", num_cpus_per_worker=0.5, timeout_s=120,
+                         log_dir=tmp_path, init_kwargs={"model_path": env["path"], "micro_batch_size": 8,
+                                                        "dtype": "bfloat16"})
+    try:
+        as_fp32 = SyncConfig(sync_transport="shm", timeout_s=60)  # the tolerance a float32 policy gets
+        with pytest.raises(WeightSyncError, match=r"tolerance 0.001, engine dtype float32, policy dtype float32"):
+            rollout.sync_weights(policy, as_fp32)
+        cfg = SyncConfig(sync_transport="shm", timeout_s=60, policy_dtype="bfloat16")
+        diff = rollout.sync_weights(policy, cfg)["sync/verify_max_abs_diff"]
+        assert 1e-3 < diff <= cfg.verify_tolerance_16bit
+    finally:
+        policy.shutdown()
+        rollout.sync_weights(env["policy"]("tp1"), SyncConfig(sync_transport="shm", timeout_s=60), verify=True)
+
+
 def test_two_engines_are_each_synced_and_decode_as_one_engine(env, tmp_path):
     """rollout.num_engines=2: every sync reaches (and is verified on) both engines, a split generate gives what
     one engine gives, and a killed engine is named within 30 s."""

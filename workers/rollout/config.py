@@ -118,7 +118,8 @@ class SyncConfig(SyncOptions):
     direct_load: bool = True
     colocated: bool = False
     timeout_s: float = 120.0
-    verify_tolerance_16bit: float = 0.15  # verify_tolerance for bfloat16 / float16 engines
+    verify_tolerance_16bit: float = 0.15  # verify_tolerance when the engine or the policy computes in 16 bits
+    policy_dtype: str = "float32"  # the policy's compute dtype (its `dtype`): a bf16 policy is compared at 16 bits
     verify_num_seqs: int = 2
     verify_seq_len: int = 24
 

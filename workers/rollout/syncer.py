@@ -149,12 +149,13 @@ class WeightSyncer:
         """Max |engine - policy| logprob over the fixed sequences; raises WeightSyncError above tolerance."""
         seqs = self.verification_sequences()
         diff = compare_logprobs(self.policy, self.rollout, seqs)
-        tol = self.cfg.verify_tolerance if self.rollout.dtype == "float32" else self.cfg.verify_tolerance_16bit
+        full = self.rollout.dtype == self.cfg.policy_dtype == "float32"
+        tol = self.cfg.verify_tolerance if full else self.cfg.verify_tolerance_16bit
         if not diff <= tol:
             raise WeightSyncError(
                 f"weight sync verification failed: the rollout engines' logprobs differ from the policy's "
-                f"compute_logprobs by up to {diff:.3g} (tolerance {tol:g}, engine dtype {self.rollout.dtype}) "
-                f"on {len(seqs)} fixed sequences after sync {self.num_syncs}")
+                f"compute_logprobs by up to {diff:.3g} (tolerance {tol:g}, engine dtype {self.rollout.dtype}, "
+                f"policy dtype {self.cfg.policy_dtype}) on {len(seqs)} fixed sequences after sync {self.num_syncs}")
         return diff
 
 

@@ -40,7 +40,7 @@ WORKER_CONFIGS: dict[type, tuple[type, set[str]]] = {
     AgentOptions: (RolloutConfig, set()),
     RoleOptions: (RoleConfig, set()),
     MegatronOptions: (RoleConfig, {"ep", "load_weights", "pack_sequences"}),  # ep: parallel.ep
-    SyncConfig: (RolloutConfig, {"direct_load", "colocated", "timeout_s", "verify_tolerance_16bit",
+    SyncConfig: (RolloutConfig, {"direct_load", "colocated", "timeout_s", "verify_tolerance_16bit", "policy_dtype",
                                  "verify_num_seqs", "verify_seq_len"}),
 }
 # (worker class, field): a worker field that takes a schema value of the same name without being its declaration

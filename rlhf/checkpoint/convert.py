@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from rlhf.errors import UserError
@@ -175,7 +176,8 @@ def mcore_to_hf(
     trust: bool = False,
     ep: int = 1,
 ) -> Path:
-    """Export a converted megatron checkpoint to a HF folder (safetensors, config.json, tokenizer files).
+    """Export a converted megatron checkpoint, or a training checkpoint's `<run>/checkpoints/<step>/policy`
+    (read through `training_checkpoint_view`), to a HF folder (safetensors, config.json, tokenizer files).
     A checkpoint without a matching manifest is refused unless `trust` (see ckpt_manifest.py).
 
     The checkpoint is loaded at TP `tp` / PP `pp` (any layout works: dist_checkpointing reshards); each
@@ -184,17 +186,20 @@ def mcore_to_hf(
     from rlhf.checkpoint.rank_fns import mcore_to_hf_rank
     from workers.megatron.hf_weights import write_hf_index
     from workers.megatron.launch import run_distributed
-    from workers.megatron.mcore_checkpoint import HF_SUBDIR
+    from workers.megatron.mcore_checkpoint import HF_SUBDIR, META_FILE
 
-    validate_mcore(mcore_dir, tp, pp, trust, ep)
-    with staged_output_dir(out_dir, force) as tmp:  # renamed to out_dir when complete, removed on failure
-        results = run_distributed(mcore_to_hf_rank, tp * pp * ep, args=(str(mcore_dir), str(tmp), trust), tp=tp,
-                                  pp=pp, ep=ep, timeout_s=timeout_s)
-        files = {fname: names for r in results if r is not None for fname, names in [r]}
-        with file_errors(tmp, "write"):
-            if len(files) > 1:
-                write_hf_index(tmp, files)
-            _copy_non_weight_files(Path(mcore_dir) / HF_SUBDIR, tmp)
+    with tempfile.TemporaryDirectory(prefix="rlhf-convert-") as view_tmp:
+        if not (Path(mcore_dir) / META_FILE).is_file() and (Path(mcore_dir) / "metadata.json").is_file():
+            mcore_dir = training_checkpoint_view(mcore_dir, Path(view_tmp) / "mcore")
+        validate_mcore(mcore_dir, tp, pp, trust, ep)
+        with staged_output_dir(out_dir, force) as tmp:  # renamed to out_dir when complete, removed on failure
+            results = run_distributed(mcore_to_hf_rank, tp * pp * ep, args=(str(mcore_dir), str(tmp), trust),
+                                      tp=tp, pp=pp, ep=ep, timeout_s=timeout_s)
+            files = {fname: names for r in results if r is not None for fname, names in [r]}
+            with file_errors(tmp, "write"):
+                if len(files) > 1:
+                    write_hf_index(tmp, files)
+                _copy_non_weight_files(Path(mcore_dir) / HF_SUBDIR, tmp)
     return Path(out_dir)
 
 

@@ -21,8 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     h2m.add_argument("--force", action="store_true", help="overwrite a non-empty output folder")
     h2m.set_defaults(func=run_hf_to_mcore)
 
-    m2h = conv.add_parser("mcore-to-hf", help="megatron-core folder (from hf-to-mcore) -> HF folder")
-    m2h.add_argument("--mcore", required=True, help="converted megatron checkpoint folder")
+    m2h = conv.add_parser("mcore-to-hf", help="megatron-core folder (from hf-to-mcore or training) -> HF folder")
+    m2h.add_argument("--mcore", required=True, help="converted megatron checkpoint folder, or a training "
+                     "checkpoint's policy: <run>/checkpoints/<step>/policy (read with <run>/config.yaml)")
     m2h.add_argument("--out", required=True, help="output HF folder")
     m2h.add_argument("--tp", type=int, default=1, help="tensor parallel size to load the checkpoint at")
     m2h.add_argument("--pp", type=int, default=1, help="pipeline parallel size to load at (one file per stage)")

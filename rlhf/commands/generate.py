@@ -62,11 +62,8 @@ def hf_folder(model: str, tmp: str, trust: bool = False) -> str:
             raise UserError(f"--model: {e}") from None
         return str(path)
     if path.is_dir():  # a converted megatron checkpoint, or a training one: export it to HF first
-        from rlhf.checkpoint.convert import mcore_to_hf, training_checkpoint_view
-        from workers.megatron.mcore_checkpoint import META_FILE
+        from rlhf.checkpoint.convert import mcore_to_hf
 
-        if not (path / META_FILE).is_file() and (path / "metadata.json").is_file():
-            path = training_checkpoint_view(path, Path(tmp) / "mcore")
         return str(mcore_to_hf(path, Path(tmp) / "hf", trust=trust))
     raise UserError(f"--model: {model} is neither an HF folder (config.json) nor a megatron checkpoint folder")
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 FAST = [
     "model.warm_start_steps=5", "data.val_size=16", "data.prompts_per_step=4", "rollout.n=4",
@@ -89,6 +90,14 @@ def test_grpo_two_steps(tmp_path, zero_copy, old_logprobs, lora):
         assert max(f.get_tensor(n).abs().max().item() for n in f.keys() if "lora_B" in n) > 0  # noqa: SIM118
     model_bytes = (run / "hf" / "model.safetensors").stat().st_size  # what a full sync moves
     assert (steps[0]["sync/bytes"] < model_bytes / 4) == (lora == "adapter"), (steps[0]["sync/bytes"], model_bytes)
+    if lora == "adapter":  # the adapters-only checkpoint converts (base from model.path) to the run's own export
+        from safetensors.torch import load_file
+
+        out = tmp_path / "converted"
+        c = rlhf("convert", "mcore-to-hf", "--mcore", str(latest / "policy"), "--out", str(out))
+        assert c.returncode == 0, c.stdout[-3000:] + c.stderr[-5000:]
+        got, want = load_file(out / "model.safetensors"), load_file(run / "hf" / "model.safetensors")
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_grpo_moe_example_two_steps(tmp_path):

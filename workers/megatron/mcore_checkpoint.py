@@ -93,15 +93,41 @@ def save_model(model: torch.nn.Module, ckpt_dir: str | Path) -> None:
 
 def load_model(model: torch.nn.Module, ckpt_dir: str | Path, trust: bool = False) -> None:
     """Collective: load a converted checkpoint into `model` at the current TP/PP (resharding as needed).
-    `model/` must match its manifest (ckpt_manifest.py) unless `trust`."""
+    `model/` must match its manifest (ckpt_manifest.py) unless `trust`. A LoRA run's training checkpoint
+    holds only the adapters: the base weights come from the HF folder it names (`meta.lora.base_model`),
+    then the adapters are applied and loaded, so the model computes, and exports, W + s B A."""
     from megatron.core import dist_checkpointing
 
     target = Path(ckpt_dir) / MODEL_SUBDIR
     if not (target / "metadata.json").is_file():
         raise ValueError(f"{target} is not a dist_checkpointing checkpoint (metadata.json missing)")
     check_checkpoint(target, trust)  # before anything in the folder is unpickled
+    common = dist_checkpointing.load_common_state_dict(str(target))
+    lora = (common.get("meta") or {}).get("lora") if isinstance(common, dict) else None
     with torch.no_grad():
+        if lora:
+            _load_lora_base(model, target, lora)
         wanted = model.sharded_state_dict()
+        if lora:
+            from workers.megatron.lora import is_adapter_key
+
+            wanted = {k: v for k, v in wanted.items() if is_adapter_key(k)}
         state = dist_checkpointing.load(wanted, str(target))
         # a training checkpoint's common state also holds its optimizer, scheduler and metadata: the model's only
-        model.load_state_dict({k: v for k, v in state.items() if k in wanted}, strict=True)
+        model.load_state_dict({k: v for k, v in state.items() if k in wanted}, strict=not lora)
+
+
+def _load_lora_base(model: torch.nn.Module, target: Path, lora: dict) -> None:
+    """The base weights of a LoRA checkpoint from the HF folder it names, then its adapters applied."""
+    from workers.config import build
+    from workers.megatron.hf_fields import load_model_config
+    from workers.megatron.hf_weights import load_hf_weights
+    from workers.megatron.lora import apply_lora
+    from workers.megatron.lora_config import LoRAConfig
+
+    base = Path(lora.get("base_model") or "")
+    if not (base / "config.json").is_file():
+        raise ValueError(f"{target} holds LoRA adapters only; its base model {str(base)!r} (the run's model.path) "
+                         f"is not an HF folder")
+    load_hf_weights(model, base, load_model_config(base))
+    apply_lora(model, build(LoRAConfig, {k: v for k, v in lora.items() if k != "base_model"}))

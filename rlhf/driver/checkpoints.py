@@ -2,7 +2,7 @@
 
 Layout under `<output_dir>/checkpoints/`:
   step-000004/            one finished checkpoint
-    driver_state.json     step, data-loader position, KL controller, driver RNG, LR schedule, metric history keys
+    driver_state.json     step, data-loader position, KL controller, driver RNG, LR schedule, distributed-optimizer layout
     policy/ critic/ ...   each role's Megatron checkpoint (dist_checkpointing), written by its workers,
                           with the sha256 manifest that loading checks first (workers/megatron/ckpt_manifest.py)
   latest                  text file naming the newest finished checkpoint folder
@@ -63,6 +63,31 @@ def check_schedule(saved: dict[str, Any] | None, cfg: RunConfig, where: Path,
     if diff:
         raise UserError(f"cannot continue the LR schedule of {where}: " + "; ".join(diff)
                         + f" (keep them, or {fresh})")
+
+
+def optimizer_layout_of(cfg: RunConfig) -> dict[str, Any]:
+    """The model-parallel sizes of each trained role whose optimizer is megatron's distributed one, saved in
+    each checkpoint: its state is written in the dp_reshardable format, which reloads at another DP size
+    only, so `check_resume` refuses a resume at another TP, PP, EP or CP size before any worker starts."""
+    roles = ["policy"] + (["critic"] if cfg.critic.enabled else [])
+    return {f"{role}.parallel.{k}": getattr(getattr(cfg, role).parallel, k) for role in roles
+            if getattr(cfg, role).optim.use_distributed_optimizer for k in ("tp", "pp", "ep", "cp")}
+
+
+def resume_state(cfg: RunConfig) -> dict[str, Any]:
+    """What a checkpoint records so that `check_resume` can refuse a resume it cannot honour."""
+    return {"schedule": schedule_of(cfg), "optimizer_layout": optimizer_layout_of(cfg)}
+
+
+def check_resume(state: dict[str, Any], cfg: RunConfig, where: Path, fresh: str) -> None:
+    """Refuse, with one line naming each field, a resume of `where` (its driver state `state`) under another LR
+    schedule or, with the distributed optimizer, at another model-parallel layout."""
+    check_schedule(state.get("schedule"), cfg, where, fresh)
+    saved, now = state.get("optimizer_layout") or {}, optimizer_layout_of(cfg)
+    diff = [f"{k}: checkpoint {saved[k]!r}, config {now[k]!r}" for k in now if k in saved and saved[k] != now[k]]
+    if diff:
+        raise UserError(f"cannot load the distributed optimizer's state of {where} at another layout (it reloads "
+                        "at another data-parallel size only): " + "; ".join(diff) + f" (keep them, or {fresh})")
 
 
 class CheckpointManager:

@@ -20,10 +20,10 @@ from typing import Any
 from rlhf.config import RunConfig
 from rlhf.driver.checkpoints import (
     CheckpointManager,
-    check_schedule,
+    check_resume,
     export_hf,
+    resume_state,
     rng_state,
-    schedule_of,
     set_rng_state,
 )
 from rlhf.driver.lm_data import build_lm_data, check_lm_inputs, tokenizer_path
@@ -93,7 +93,6 @@ class LMRun:
         latest = self.frame.resume_point()
         if latest is not None:
             state = CheckpointManager.driver_state(latest)
-            check_schedule(state.get("schedule"), self.cfg, latest, FRESH_START)
             self.group.load_checkpoint(str(latest / self.role), load_optimizer=True, load_rng=True,
                                        trust=self.cfg.trainer.trust_checkpoint)
             self.data.order.load_state_dict(state["data"])
@@ -104,17 +103,12 @@ class LMRun:
             print(f"resumed from {latest} at step {self.step}", flush=True)
         elif t.load:
             path = resolve_checkpoint(t.load, self.role)
-            if not t.no_load_optim:
-                step_dir = path.parent
-                if (step_dir / "driver_state.json").is_file():
-                    check_schedule(CheckpointManager.driver_state(step_dir).get("schedule"), self.cfg, step_dir,
-                                   FRESH_START)
             self.group.load_checkpoint(str(path), load_optimizer=not t.no_load_optim, load_rng=not t.no_load_rng,
                                        trust=t.trust_checkpoint)
             print(f"loaded {path} (optimizer: {not t.no_load_optim}, rng: {not t.no_load_rng})", flush=True)
 
     def save(self) -> Path:
-        state = {"data": self.data.order.state_dict(), "rng": rng_state(), "schedule": schedule_of(self.cfg),
+        state = {"data": self.data.order.state_dict(), "rng": rng_state(), **resume_state(self.cfg),
                  "consecutive_nonfinite": self.consecutive_nonfinite, "skipped_total": self.skipped_total,
                  "algorithm": self.cfg.algorithm.name, "global_batch_size": self.gbs}
         return self.frame.ckpt.save(self.step, state, lambda tmp: self.group.save_checkpoint(str(tmp / self.role)))
@@ -184,6 +178,16 @@ class LMRun:
         return last
 
 
+def check_resumable(cfg: RunConfig, latest: Path | None, role: str) -> None:
+    """Refuse a resume from `latest`, or a `trainer.load` with its optimizer, that the checkpoint's saved
+    schedule and layout cannot honour (`check_resume`)."""
+    t = cfg.trainer
+    step_dir = latest if latest is not None else (
+        resolve_checkpoint(t.load, role).parent if t.load and not t.no_load_optim else None)
+    if step_dir is not None and (step_dir / "driver_state.json").is_file():
+        check_resume(CheckpointManager.driver_state(step_dir), cfg, step_dir, FRESH_START)
+
+
 def run_stage(cfg: RunConfig, data: Any, run_cls: type[LMRun]) -> dict[str, float]:
     """Run an LM-style stage on prepared `data` (inputs already checked): the worker group of
     `run_cls.worker_class()` inside a `RunScaffold`, `start`, the steps, then the HF export; the last step's
@@ -192,6 +196,7 @@ def run_stage(cfg: RunConfig, data: Any, run_cls: type[LMRun]) -> dict[str, floa
     if cfg.trainer.load:
         CheckpointManager.check_trusted(resolve_checkpoint(cfg.trainer.load, run_cls.role), cfg.trainer.trust_checkpoint)
     with RunScaffold(cfg) as frame:
+        check_resumable(cfg, frame.resume_point(), run_cls.role)  # before any worker starts
         group = frame.own(make_group(cfg, out, run_cls.role, run_cls.worker_class()))
         run = run_cls(cfg, data, group, frame)
         run.start()

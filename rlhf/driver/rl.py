@@ -15,7 +15,7 @@ import torch
 
 from algorithms import make_kl_controller
 from rlhf.config import RunConfig
-from rlhf.driver.checkpoints import check_schedule, export_hf, rng_state, schedule_of, set_rng_state
+from rlhf.driver.checkpoints import check_resume, export_hf, resume_state, rng_state, set_rng_state
 from rlhf.driver.context import StepContext, accuracy
 from rlhf.driver.metrics import PhaseTimer
 from rlhf.driver.scaffold import RunScaffold
@@ -123,7 +123,7 @@ def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
         resume_from = run.resume_point()
         if resume_from is not None:  # before any worker starts
             state = run.ckpt.driver_state(resume_from)
-            check_schedule(state.get("schedule"), cfg, resume_from, FRESH_START)
+            check_resume(state, cfg, resume_from, FRESH_START)
         if megatron_warm_start_due(cfg, run.out):
             from rlhf.driver.warmstart_megatron import megatron_warm_start
 
@@ -164,7 +164,7 @@ def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
         def save(step: int) -> None:
             state = {"loader": loader_state or loader.state_dict(), "kl_ctrl": kl_ctrl.state_dict(),
                      "rng": rng_state(), "consecutive_nonfinite": nonfinite.count,
-                     "rollout": roles.rollout.state_dict(), "schedule": schedule_of(cfg)}
+                     "rollout": roles.rollout.state_dict(), **resume_state(cfg)}
             run.ckpt.save(step, state, write_roles)
 
         run.stop_point(start, None)  # a signal while the roles started: nothing new to save

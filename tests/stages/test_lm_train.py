@@ -114,12 +114,19 @@ def test_tp2_and_dp2_match_tp1(run_a, layout, request):
 
 
 def test_resume_two_plus_two_equals_four(run_dp2, lm_inputs, tmp_path):
-    """The DP=2 distributed-optimizer run, resumed in new workers from its step-2 checkpoint."""
+    """The DP=2 distributed-optimizer run, resumed in new workers from its step-2 checkpoint. A resume at
+    TP=2 is refused before any worker starts: that optimizer state reloads at another DP size only."""
+    from rlhf.errors import UserError
+
     out_b, rows_b = run_dp2
     out = tmp_path / "resumed"
     (out / "checkpoints").mkdir(parents=True)
     shutil.copytree(out_b / "checkpoints" / "step-000002", out / "checkpoints" / "step-000002")
     (out / "checkpoints" / "latest").write_text("step-000002")
+    with pytest.raises(UserError, match=r"distributed optimizer's state .* policy.parallel.tp: checkpoint 1, "
+                                        r"config 2 \(keep them"):
+        run(lm_inputs, "pretrain", out, *DP2, "policy.parallel.dp=1", "policy.parallel.tp=2", "trainer.resume=auto")
+    assert not (out / "logs" / "policy").exists()  # no worker started
     rows, _ = run(lm_inputs, "pretrain", out, *DP2, "trainer.resume=auto")
     assert [r["step"] for r in rows] == [3, 4]
     for key in ("loss", "grad_norm", "lr", "consumed_samples"):

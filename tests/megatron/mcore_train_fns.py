@@ -184,3 +184,30 @@ def bf16_checkpoint_round_trip(model_dir: str, ckpt: str) -> dict:
     return {"dtypes": sorted({str(p.dtype) for p in pb.values()}),
             "weight_diff": max((pa[k].float() - pb[k].float()).abs().max().item() for k in pa),
             "master_diff": max((x - y).abs().max().item() for x, y in zip(masters(a), masters(b), strict=True))}
+
+
+def never_stepped_checkpoint_round_trip(model_dir: str, ckpt: str) -> dict:
+    """An engine that has not stepped yet (as after fp16 overflows skipped every step) saves with its
+    optimizer; a fresh engine loads it with the optimizer, and one optimizer step on each (the same
+    gradients) gives the same weights. Returns the largest weight difference and the loaded step count."""
+    import torch
+
+    from workers.megatron.engine import MegatronEngine
+
+    def engine() -> MegatronEngine:
+        return MegatronEngine(model_dir, trainable=True, load_weights=False, optim={"lr": 1e-2})
+
+    def step(eng: MegatronEngine) -> dict[str, torch.Tensor]:
+        for name, p in eng.module.named_parameters():
+            p.main_grad.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+        eng.optimizer_step()
+        return {k: v.detach().clone() for k, v in eng.module.named_parameters()}
+
+    a = engine()
+    a.save_checkpoint(ckpt)
+    b = engine()
+    b.load_checkpoint(ckpt)
+    loaded_steps = b.steps
+    wa, wb = step(a), step(b)
+    return {"steps": loaded_steps, "weight_diff": max((wa[k] - wb[k]).abs().max().item() for k in wa),
+            "moved": max((wa[k] - v).abs().max().item() for k, v in engine().module.named_parameters())}

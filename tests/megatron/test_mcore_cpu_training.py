@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from mcore_train_fns import bf16_checkpoint_round_trip, compat_then_train, train_tiny_gpt
+from mcore_train_fns import (
+    bf16_checkpoint_round_trip,
+    compat_then_train,
+    never_stepped_checkpoint_round_trip,
+    train_tiny_gpt,
+)
 
 from workers.megatron.cpu_compat import MCORE_VERSION, check_mcore_version
 from workers.megatron.launch import run_distributed
@@ -42,3 +47,13 @@ def test_bf16_engine_checkpoint_round_trip(tiny_model_factory, tmp_path):
     out = run_distributed(bf16_checkpoint_round_trip, 1, args=(tiny_model_factory("tiny-qwen3"), str(tmp_path / "ck")))[0]
     assert out["dtypes"] == ["torch.bfloat16"]
     assert out["weight_diff"] == 0 and out["master_diff"] == 0, out
+
+
+def test_checkpoint_before_the_first_optimizer_step_resumes(tiny_model_factory, tmp_path):
+    """A checkpoint saved before any optimizer step (an fp16 run whose first steps all overflowed) had no Adam
+    state, so its resume failed in dist_checkpointing ("optimizer.state.exp_avg... not in state dict"); it
+    now loads, and the first step after it matches the uninterrupted engine's."""
+    out = run_distributed(never_stepped_checkpoint_round_trip, 1,
+                          args=(tiny_model_factory("tiny-qwen3"), str(tmp_path / "ck")))[0]
+    assert out["steps"] == 0 and out["moved"] > 1e-3, out
+    assert out["weight_diff"] == 0, out

@@ -470,6 +470,8 @@ class MegatronEngine:
         if torch.distributed.get_rank() == 0:
             path.mkdir(parents=True, exist_ok=True)
         torch.distributed.barrier()
+        if self.optimizer is not None:  # no step taken yet (or every one skipped, e.g. fp16 overflow): zero
+            _ensure_adam_state(self.optimizer)  # state, so the checkpoint holds what a load expects
         state = self._sharded_state(with_optimizer=True, is_loading=False)
         state["meta"] = {"layout": self._layout(), "steps": self.steps, "value_head": self.value_head}
         if self.lora is not None:
@@ -517,6 +519,7 @@ class MegatronEngine:
             if with_opt:
                 # the param groups' max_lr / min_lr come back with the state; the config's schedule sets them
                 peaks = [{k: g[k] for k in ("max_lr", "min_lr") if k in g} for g in self.optimizer.param_groups]
+                _zero_missing_adam_steps(loaded["optimizer"])
                 self.optimizer.load_state_dict(loaded["optimizer"])
                 for g, peak in zip(self.optimizer.param_groups, peaks, strict=True):
                     g.update(peak)
@@ -630,6 +633,18 @@ def _ensure_adam_state(optimizer: Any) -> None:
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(p.data)
                     state["exp_avg_sq"] = torch.zeros_like(p.data)
+
+
+def _zero_missing_adam_steps(state: Any) -> None:
+    """Give step 0 to loaded Adam states without one: megatron-core 0.16.1 saves the optimizer's shared step
+    only when it is non-zero (`if step:`), so a checkpoint from before the first step loads without it, and
+    torch's Adam rejects a state with moments but no step."""
+    values = state.values() if isinstance(state, dict) else state if isinstance(state, list) else ()
+    for v in values:
+        if isinstance(v, dict) and "exp_avg" in v and "step" not in v:
+            v["step"] = torch.tensor(0.0)
+        else:
+            _zero_missing_adam_steps(v)
 
 
 def _restore_adam_steps(optimizer: Any) -> None:

@@ -144,6 +144,7 @@ class LMRun:
             "consumed_samples": float(self.data.order.consumed), "time/data": t1 - t0,
             "time/train": time.perf_counter() - t1,
             **{k: v for k, v in out.items() if k.startswith("moe/")},  # MoE models: router losses, expert load
+            **{k: out[k] for k in ("loss_scale", "loss_scale_backoff") if k in out},  # fp16
         }
 
     def run(self, logger: MetricsLogger) -> dict[str, float]:

@@ -193,3 +193,16 @@ def test_nonfinite_steps_are_skipped_then_stop(ray_session, lm_inputs, tmp_path)
     rows = read_metrics(out)
     assert [r["skipped"] for r in rows if "skipped" in r][-2:] == [1.0, 1.0]
     assert rows[-1]["skipped_steps"] == 2.0
+
+
+def test_fp16_loss_scale_backoffs_do_not_stop_the_run(ray_session, lm_inputs, tmp_path):
+    """fp16: megatron's dynamic loss scale starts at 2^32, so the first steps overflow and back it off. Those
+    are the scaler's search, not NaN/Inf gradients: logged as loss_scale_backoff, not counted toward
+    policy.optim.max_consecutive_nonfinite (3), which stopped every fp16 run at step 3."""
+    rows, _ = run(lm_inputs, "pretrain", tmp_path / "fp16", "policy.dtype=float16", "trainer.total_steps=4",
+                  "trainer.val_every=0", "trainer.save_every=0")
+    steps = [r for r in rows if r["step"] > 0]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert all(r["skipped"] == 0 and r["loss_scale_backoff"] == 1 for r in steps), steps
+    scales = [r["loss_scale"] for r in steps]
+    assert scales == sorted(scales, reverse=True) and scales[-1] < scales[0], scales

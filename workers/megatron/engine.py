@@ -394,17 +394,26 @@ class MegatronEngine:
 
     def optimizer_step(self) -> dict[str, float]:
         """Check, clip and apply the accumulated gradients; returns grad_norm, lr and skipped (1.0 when
-        the global grad norm was NaN/Inf and the step was skipped)."""
+        the global grad norm was NaN/Inf and the step was skipped). fp16 also returns its dynamic loss scale:
+        a step whose scaled gradients overflowed while the scale could still back off is not applied either,
+        but it is the scaler's search for a scale (megatron's loop treats it so), so it reports
+        loss_scale_backoff 1.0 instead of skipped."""
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
         opt = self.optimizer
-        found_inf = opt.prepare_grads()
+        found_inf = opt.prepare_grads()  # fp16: also updates the loss scale
         grad_norm = float(opt.get_grad_norm())
         lr = float(opt.param_groups[0]["lr"])
+        subs = getattr(opt, "chained_optimizers", [opt])
+        scaler = next((s.grad_scaler for s in subs if getattr(s, "grad_scaler", None) is not None), None)
+        scale = {"loss_scale": float(scaler.scale), "loss_scale_backoff": 0.0} if scaler is not None else {}
         if found_inf or not math.isfinite(grad_norm):
-            log.warning("non-finite grad norm %s: optimizer step skipped", grad_norm)
             self.zero_grad()
-            return {"grad_norm": grad_norm, "lr": lr, "skipped": 1.0}
+            if found_inf and scale and float(getattr(scaler, "min_scale", scaler.scale)) < scale["loss_scale"]:
+                log.info("fp16 gradients overflowed: loss scale backed off to %g", scale["loss_scale"])
+                return {"grad_norm": grad_norm, "lr": lr, "skipped": 0.0, **scale, "loss_scale_backoff": 1.0}
+            log.warning("non-finite grad norm %s: optimizer step skipped", grad_norm)
+            return {"grad_norm": grad_norm, "lr": lr, "skipped": 1.0, **scale}
         if self.optim.clip_grad > 0:
             for sub in getattr(opt, "chained_optimizers", [opt]):
                 params = sub.get_parameters()
@@ -416,7 +425,7 @@ class MegatronEngine:
         ok = opt.step_with_ready_grads()
         self.scheduler.step(increment=1)
         self.steps += 1
-        return {"grad_norm": grad_norm, "lr": lr, "skipped": 0.0 if ok else 1.0}
+        return {"grad_norm": grad_norm, "lr": lr, "skipped": 0.0 if ok else 1.0, **scale}
 
     def finish_param_gather(self) -> None:
         """With `overlap_param_gather`, finish the all-gather of the updated shards now (a no-op otherwise):

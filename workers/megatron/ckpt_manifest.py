@@ -25,6 +25,11 @@ class UntrustedCheckpointError(ValueError):
     """A checkpoint folder without a manifest that matches its files."""
 
 
+class DamagedCheckpointError(UntrustedCheckpointError):
+    """A checkpoint whose manifest is authentic (ours) but a listed file is missing or differs: damaged on disk
+    (a truncated shard, a partial copy), not forged. Resume falls back past it to the newest intact step."""
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -90,24 +90,9 @@ def run_many(codes: Iterable[str], limits: SandboxLimits | None = None, workers:
 
 
 def _run(code: str, limits: SandboxLimits, stdin: str, isolated: bool) -> SandboxResult:
-    base = Path(tempfile.mkdtemp(prefix="rlhf-sandbox-"))
-    work = base / "work"
-    work.mkdir()
-    (work / "main.py").write_text(code)
-    uid, gid = os.getuid(), os.getgid()
-    if uid == 0 and (isolated or _world_readable_python()):
-        uid = gid = JAIL_UID_BASE + os.getpid() % 50_000 * 16 + _next_slot()
-        os.chown(work, uid, gid)
-        os.chown(work / "main.py", uid, gid)
-    nproc = limits.max_procs + (_tasks_of(uid) if uid == os.getuid() else 0)
-    spec = {**asdict(limits), "max_procs": nproc, "work": str(work), "root": str(base / "root"), "uid": uid, "gid": gid,
-            "isolated": isolated, "python": _python()}
     t0 = time.monotonic()
+    proc, base = spawn(code, limits, isolated)
     try:
-        proc = subprocess.Popen(
-            [_python(), "-I", "-S", "-B", str(JAIL), json.dumps(spec)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={}, cwd=str(base),
-            start_new_session=True)
         out, err, killed_for = _communicate(proc, stdin.encode(), limits)
         rc = proc.returncode
     finally:
@@ -116,6 +101,32 @@ def _run(code: str, limits: SandboxLimits, stdin: str, isolated: bool) -> Sandbo
     stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
     status = killed_for or _classify(rc, stderr)
     return SandboxResult(status, rc, stdout, stderr, round(wall, 3), "namespaces" if isolated else "limits")
+
+
+def spawn(code: str, limits: SandboxLimits, isolated: bool) -> tuple[subprocess.Popen, Path]:
+    """Start `code` in the sandbox with piped stdin, stdout and stderr; returns the launcher process and the
+    throwaway folder the caller removes when the process is done. The caller owns the wall clock."""
+    base = Path(tempfile.mkdtemp(prefix="rlhf-sandbox-"))
+    try:
+        work = base / "work"
+        work.mkdir()
+        (work / "main.py").write_text(code)
+        uid, gid = os.getuid(), os.getgid()
+        if uid == 0 and (isolated or _world_readable_python()):
+            uid = gid = JAIL_UID_BASE + os.getpid() % 50_000 * 16 + _next_slot()
+            os.chown(work, uid, gid)
+            os.chown(work / "main.py", uid, gid)
+        nproc = limits.max_procs + (_tasks_of(uid) if uid == os.getuid() else 0)
+        spec = {**asdict(limits), "max_procs": nproc, "work": str(work), "root": str(base / "root"), "uid": uid,
+                "gid": gid, "isolated": isolated, "python": _python()}
+        proc = subprocess.Popen(
+            [_python(), "-I", "-S", "-B", str(JAIL), json.dumps(spec)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={}, cwd=str(base),
+            start_new_session=True)
+    except BaseException:
+        shutil.rmtree(base, ignore_errors=True)
+        raise
+    return proc, base
 
 
 def _communicate(proc: subprocess.Popen, data: bytes, limits: SandboxLimits) -> tuple[bytes, bytes, str | None]:

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import time
 from pathlib import Path
 
-from workers.sandbox import SandboxLimits, namespaces_available, run_code, run_many
-from workers.sandbox.sandbox import _run
+import pytest
+
+from tests.sandbox.conftest import world_readable_python
+from workers.sandbox import SandboxLimits, namespaces_available, run_code, run_many, sandbox
+from workers.sandbox.sandbox import JAIL_UID_BASE, _run
 
 FAST = SandboxLimits(wall_s=8.0, cpu_s=2.0, memory_mb=256)
 
@@ -138,15 +142,70 @@ def test_errors_and_stdin_and_many_runs():
     assert all(x.status == "ok" for x in results)
 
 
-def test_without_namespaces_the_limits_still_hold():
+def _limits_only_python(monkeypatch) -> None:
+    """The limits-only path started as root runs the code as another uid, which needs an interpreter that
+    uid can run: use one (skip where the machine has none)."""
+    if os.getuid() == 0 and not sandbox._world_readable_python():
+        python = world_readable_python() or pytest.skip("no interpreter an unprivileged user can run")
+        monkeypatch.setattr(sandbox, "_python", lambda: python)
+
+
+def test_without_namespaces_the_limits_still_hold(monkeypatch):
     """The fallback for kernels that refuse namespaces (forced here): limits and a scrubbed environment."""
-    os.environ["RLHF_SANDBOX_SECRET"] = "s3cret-token"
-    try:
-        r = _run("import os\nprint(dict(os.environ))\nwhile True:\n    pass\n", SandboxLimits(wall_s=30, cpu_s=1),
-                 "", isolated=False)
-    finally:
-        del os.environ["RLHF_SANDBOX_SECRET"]
+    _limits_only_python(monkeypatch)
+    monkeypatch.setenv("RLHF_SANDBOX_SECRET", "s3cret-token")
+    r = _run("import os\nprint(dict(os.environ))\nwhile True:\n    pass\n", SandboxLimits(wall_s=30, cpu_s=1),
+             "", isolated=False)
     assert r.isolation == "limits" and r.status == "cpu_limit" and "s3cret" not in r.stdout, r
+
+
+def test_limits_only_never_runs_code_as_root(tmp_path, monkeypatch):
+    """Started as root without namespaces and with an interpreter no other uid can run, the sandbox refuses
+    with one line saying why: the code never runs (it ran as root before)."""
+    monkeypatch.setattr(sandbox, "_world_readable_python", lambda: False)
+    proof = tmp_path / "ran"
+    r = _run(f"import os\nopen({str(proof)!r}, 'w').write(str(os.getuid()))\nprint('uid', os.getuid())\n",
+             FAST, "", isolated=False)
+    if os.getuid() != 0:  # not root: it runs as this user, as always
+        assert r.status == "ok" and r.stdout.split() == ["uid", str(os.getuid())], r
+        return
+    assert r.status == "setup_failed" and not proof.exists() and "uid" not in r.stdout, r
+    assert r.stderr.count("\n") == 1 and "refusing to run untrusted code as root" in r.stderr, r.stderr
+
+
+def test_limits_only_as_root_runs_as_another_uid_without_roots_files(monkeypatch):
+    """The limits-only path started as root runs the code as its own unprivileged uid: it cannot write /etc,
+    read /root or signal root's processes."""
+    if os.getuid() != 0:
+        pytest.skip("the uid drop happens when started as root")
+    _limits_only_python(monkeypatch)
+    victim = subprocess.Popen(["sleep", "60"])
+    target = f"/etc/rlhf-sandbox-escape-{os.getpid()}"
+    code = f"""
+import os
+print("uid", os.getuid(), os.geteuid())
+for what, attempt in [("wrote /etc", lambda: open({target!r}, "w").write("x")),
+                      ("listed /root", lambda: os.listdir("/root")),
+                      ("killed", lambda: os.kill({victim.pid}, 9))]:
+    try:
+        attempt()
+        print("ESCAPED", what)
+    except OSError as e:
+        print("refused", what, type(e).__name__)
+"""
+    try:
+        r = _run(code, FAST, "", isolated=False)
+        assert victim.poll() is None, "the sandboxed code killed a root process"
+    finally:
+        victim.kill()
+        victim.wait()
+        if os.path.exists(target):
+            os.unlink(target)
+            raise AssertionError(f"the sandboxed code wrote {target}")
+    assert r.status == "ok" and r.isolation == "limits", r
+    uid = r.stdout.split()[1:3]
+    assert uid[0] == uid[1] and int(uid[0]) >= JAIL_UID_BASE, r.stdout
+    assert "ESCAPED" not in r.stdout and r.stdout.count("refused") == 3, r.stdout
 
 
 def test_unprivileged_user_gets_the_same_isolation(tmp_path):

@@ -12,7 +12,14 @@ Always: resource limits (CPU seconds, address space, open files, processes, file
 environment. The parent enforces the wall clock and the output cap (workers/sandbox/sandbox.py).
 
 Without namespaces (a container that forbids them) the code runs with the limits, the scrubbed environment and
-its own directory only; `SandboxResult.isolation` says which level ran.
+its own directory only; `SandboxResult.isolation` says which level ran. It never runs as root: started as root
+with an interpreter an unprivileged user cannot run, the launcher refuses (exit 125, one line saying why).
+
+Lifetime: this process stays outside as the supervisor. It watches the process that started it (a pidfd) and
+is the subreaper of everything below it; when the code's process exits, the caller dies, or it gets SIGTERM,
+it kills what is left: the PID namespace (its init dies), every descendant, every process of the sandbox's
+uid (started as root) and the memory cgroup. The code's process has a parent-death signal, so killing the
+supervisor with SIGKILL takes the code with it.
 """
 
 from __future__ import annotations
@@ -24,12 +31,17 @@ import platform
 import resource
 import signal
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as `python -I -S`: no path of its own
+
+from workers.sandbox import cgroup, reaper  # standard library only
 
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MNT_DETACH = 2
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_CHILD_SUBREAPER = 1, 38, 36
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}
 EXIT_SETUP_FAILED = 125
 
@@ -74,8 +86,9 @@ def _write(path: str, text: str) -> None:
 
 
 def _enter_namespaces(uid: int, gid: int) -> None:
-    """New user (when not root), mount, PID and network namespaces for this process's children."""
-    flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET
+    """New user (when not root), PID and network namespaces for this process's children (the mount namespace
+    is the init's own: this supervisor keeps the host's files, /proc and cgroups in view)."""
+    flags = CLONE_NEWPID | CLONE_NEWNET
     if os.geteuid() != 0:
         flags |= CLONE_NEWUSER
     _check(_libc.unshare(flags), "unshare")
@@ -148,34 +161,147 @@ def _wait_exit_code(pid: int) -> int:
     return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
 
 
-def _run_code(spec: dict, cwd: str) -> None:
+class SetupFailed(Exception):
+    """The sandbox cannot start as asked; the message is its one line."""
+
+
+def _run_code(spec: dict, cwd: str, supervisor: int) -> None:
+    """Limits, the unprivileged uid, default signal dispositions (an ignored SIGTERM of whoever started us
+    must not be inherited), then the code; never as root."""
     _limit(spec)
     _drop_privileges(spec["uid"], spec["gid"])
+    if 0 in os.getresuid() or 0 in os.getresgid():
+        raise SetupFailed(
+            f"refusing to run untrusted code as root: the kernel refused namespaces and the interpreter "
+            f"{spec['python']} cannot be run by an unprivileged user (a folder on its path is not "
+            "world-searchable); install Python where every user can run it or allow user namespaces")
+    for sig in signal.valid_signals():
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):
+            try:
+                signal.signal(sig, signal.SIG_DFL)
+            except (OSError, ValueError):
+                pass
+    _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")  # set after the uid change
+    if os.getppid() != supervisor:  # it died before the death signal was armed
+        os._exit(EXIT_SETUP_FAILED)
     _exec_code(spec, cwd)
 
 
-def main() -> int:
-    """Namespaces: this process -> PID 1 of the new PID namespace (builds the root, then waits: when it exits
-    the kernel kills everything left in the namespace) -> the code (a normal process, so the CPU limit's
-    SIGXCPU reaches it)."""
-    spec = json.loads(sys.argv[1])
-    if not spec["isolated"]:
-        _run_code(spec, spec["work"])
-    _enter_namespaces(os.getuid(), os.getgid())
-    init = os.fork()
-    if init:
-        signal.signal(signal.SIGTERM, lambda *_: os.kill(init, signal.SIGKILL))
-        return _wait_exit_code(init)
+def _join_cgroup(spec: dict) -> None:
+    """Move this process (and so all it starts) into the call's memory cgroup, where there is one."""
+    if spec.get("cgroup"):
+        _write(os.path.join(spec["cgroup"], "cgroup.procs"), "0")
+
+
+def _child(spec: dict, supervisor: int) -> None:
+    """Below the supervisor: the code directly (limits only), or the PID namespace's init (namespaces)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "pdeathsig")
-    try:
-        _build_root(spec["root"], spec["work"])
-    except OSError as e:
-        sys.stderr.write(f"sandbox setup failed: {e}\n")
-        os._exit(EXIT_SETUP_FAILED)
+    if os.getppid() != (0 if spec["isolated"] else supervisor):  # it died before the signal was armed
+        os._exit(EXIT_SETUP_FAILED)  # (the init's parent is outside its PID namespace: pid 0 in its view)
+    _join_cgroup(spec)
+    if not spec["isolated"]:
+        _run_code(spec, spec["work"], supervisor)
+    _check(_libc.unshare(CLONE_NEWNS), "unshare mount namespace")
+    _build_root(spec["root"], spec["work"])
     code = os.fork()
     if code == 0:
-        _run_code(spec, "/work")
+        try:
+            _run_code(spec, "/work", 1)
+        except (OSError, SetupFailed) as e:
+            sys.stderr.write(f"sandbox setup failed: {e}\n")
+        os._exit(EXIT_SETUP_FAILED)
     os._exit(_wait_exit_code(code))
+
+
+class _Stop(Exception):
+    """SIGTERM to the supervisor: the caller's wall clock or output cap ended the run."""
+
+
+def _stop(*_: object) -> None:
+    raise _Stop
+
+
+def _kill_uid(uid: int) -> None:
+    """Started as root: SIGKILL every process of the sandbox's own uid (a forked helper does it as that uid,
+    so kill(-1) reaches those processes only)."""
+    if os.geteuid() != 0 or uid == 0:
+        return
+    helper = os.fork()
+    if helper == 0:
+        try:
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+            os.kill(-1, signal.SIGKILL)
+        finally:
+            os._exit(0)
+    os.waitpid(helper, 0)
+
+
+def _end_the_rest(spec: dict) -> None:
+    """Kill whatever the code left (daemons, setsid'd grandchildren) and record the cgroup's verdict in the
+    run folder (outcome.json: OOM kills and peak memory) before removing the cgroup."""
+    reaper.kill_descendants(os.getpid())
+    if not spec["isolated"]:  # with namespaces the init's exit has killed them (and forks fail here now)
+        _kill_uid(int(spec["uid"]))
+    if not spec.get("cgroup"):
+        return
+    group = cgroup.MemoryCgroup(spec["cgroup"], int(spec["cgroup_version"]), int(spec["memory_mb"]))
+    group.kill_all()
+    try:
+        _write(os.path.join(os.path.dirname(spec["work"]), "outcome.json"),
+               json.dumps({"oom_kills": group.oom_kills(), "peak_mb": group.peak_mb()}))
+    except OSError:
+        pass
+    group.remove()
+
+
+def _setup_failed(message: str) -> int:
+    sys.stderr.write(f"sandbox setup failed: {message}\n")
+    return EXIT_SETUP_FAILED
+
+
+def main() -> int:
+    """This process (the supervisor) -> with namespaces, PID 1 of the new PID namespace (builds the root,
+    then waits: when it exits the kernel kills everything left in the namespace) -> the code (a normal
+    process, so the CPU limit's SIGXCPU reaches it). Limits only: this process -> the code."""
+    spec = json.loads(sys.argv[1])
+    caller = int(spec["caller"])
+    try:
+        caller_fd = reaper.watch(caller)
+    except ProcessLookupError:
+        return _setup_failed("the process that started the sandbox has exited")
+    if os.getppid() != caller:
+        return _setup_failed("the process that started the sandbox has exited")
+    try:
+        _write("/proc/self/oom_score_adj", "1000")  # the kernel's first OOM victim, before any worker
+    except OSError:
+        pass
+    reaper.prctl(PR_SET_CHILD_SUBREAPER, 1)
+    signal.signal(signal.SIGTERM, _stop)
+    me = os.getpid()
+    try:
+        if spec["isolated"]:
+            _enter_namespaces(os.getuid(), os.getgid())
+    except OSError as e:
+        return _setup_failed(str(e))
+    child = os.fork()
+    if child == 0:
+        try:
+            _child(spec, me)
+        except (OSError, SetupFailed) as e:
+            sys.stderr.write(f"sandbox setup failed: {e}\n")
+        os._exit(EXIT_SETUP_FAILED)
+    try:
+        status = reaper.wait_child(child, caller, caller_fd)
+    except _Stop:
+        status = None
+    if status is None:  # the caller died or stopped the run: end the code now
+        os.kill(child, signal.SIGKILL)
+        _, status = os.waitpid(child, 0)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _end_the_rest(spec)
+    return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
 
 
 if __name__ == "__main__":

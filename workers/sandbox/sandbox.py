@@ -1,9 +1,15 @@
 """Run untrusted Python code (model-written code, code-execution rewards, the `python` tool) in a sandbox.
 
 The isolation is done by `jail.py` in the child (namespaces, a private read-only root, resource limits, an
-unprivileged user); this side writes the code into a throwaway directory, enforces the wall clock and the
-output cap, kills everything the code started and classifies the outcome. Nothing here raises for anything the
-code does: every failure is a `SandboxResult` with a status.
+unprivileged user, a supervisor that ends everything when the caller dies); this side writes the code into a
+throwaway directory, makes the call's memory cgroup where it can, enforces the wall clock and the output cap,
+kills everything the code started and classifies the outcome. Nothing here raises for anything the code does:
+every failure is a `SandboxResult` with a status.
+
+Memory: `memory_mb` bounds the call's total. With a cgroup (`cgroup.mode()`), the kernel bounds the resident
+memory of all its processes together, and each process's address space is capped at `memory_mb` too. Without
+one, each process gets an equal share of `memory_mb` as its address-space limit and the process count is
+capped so the shares add up to `memory_mb` (`RLIMIT_SHARE_MIN_MB` each at least, so fewer processes).
 """
 
 from __future__ import annotations
@@ -25,14 +31,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from workers.sandbox import cgroup, reaper
+
 JAIL = Path(__file__).with_name("jail.py")
 JAIL_UID_BASE = 200_000  # started as root, each sandbox runs as its own uid above this
 STATUSES = ("ok", "error", "timeout", "cpu_limit", "memory", "output_limit", "setup_failed")
+RLIMIT_SHARE_MIN_MB = 64  # without a cgroup: the smallest per-process share of memory_mb (a Python process)
+STOP_GRACE_S = 3.0  # the supervisor's time to end the code's processes on SIGTERM before it is killed
 
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """Limits of one run. `memory_mb` bounds the address space; `max_output_bytes` stdout and stderr together."""
+    """Limits of one run. `memory_mb` bounds all its processes together (see the module docstring);
+    `max_output_bytes` stdout and stderr together."""
 
     wall_s: float = 10.0
     cpu_s: float = 5.0
@@ -51,6 +62,7 @@ class SandboxResult:
     stderr: str
     wall_s: float
     isolation: str  # "namespaces" or "limits" (the kernel refused namespaces)
+    memory_bound: str = ""  # "cgroup v2 512 MB", "cgroup v1 512 MB" or "rlimit 8 x 64 MB" (what bounded memory_mb)
 
 
 log = logging.getLogger(__name__)
@@ -67,7 +79,20 @@ def namespaces_available() -> bool:
     log.warning("sandbox isolation: LIMITS ONLY. The kernel refused namespaces (%s), so sandboxed code runs "
                 "without network isolation or a private file system: only resource limits, a scrubbed "
                 "environment and its own directory contain it", (probe.stderr.strip() or probe.status)[-200:])
+    if os.getuid() == 0 and not _world_readable_python():
+        log.warning("sandbox: every run will be REFUSED: started as root without namespaces, and %s cannot be run "
+                    "by an unprivileged user, so the code would run as root; install Python where every user "
+                    "can run it or allow user namespaces", _python())
     return False
+
+
+def memory_bound_mode() -> str:
+    """How a sandbox call's `memory_mb` is bounded on this machine: "cgroup v2", "cgroup v1" or "rlimit"
+    (per-process shares); logged once, like the isolation level."""
+    mode = cgroup.mode()
+    log.info("sandbox memory bound: %s", mode if mode != "rlimit" else
+             "per-process address-space shares of memory_mb with a process-count cap (no writable cgroup)")
+    return mode
 
 
 def run_code(code: str, limits: SandboxLimits | None = None, stdin: str = "") -> SandboxResult:
@@ -95,18 +120,39 @@ def _run(code: str, limits: SandboxLimits, stdin: str, isolated: bool) -> Sandbo
     try:
         out, err, killed_for = _communicate(proc, stdin.encode(), limits)
         rc = proc.returncode
+        oom_kills, bound = _memory_outcome(proc, base)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     wall = time.monotonic() - t0
     stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
-    status = killed_for or _classify(rc, stderr)
-    return SandboxResult(status, rc, stdout, stderr, round(wall, 3), "namespaces" if isolated else "limits")
+    status = killed_for or ("memory" if oom_kills > 0 else _classify(rc, stderr))
+    return SandboxResult(status, rc, stdout, stderr, round(wall, 3), "namespaces" if isolated else "limits", bound)
+
+
+def _memory_outcome(proc: subprocess.Popen, base: Path) -> tuple[int, str]:
+    """(processes the kernel killed for the cgroup's bound, how memory was bounded) of a finished call. The
+    supervisor leaves the count in outcome.json when it removes the cgroup; if it was killed first, the
+    cgroup is read (and removed) here."""
+    spec = json.loads(proc.args[-1])  # type: ignore[index]
+    if not spec.get("cgroup"):
+        return 0, spec["memory_bound"]
+    try:
+        oom_kills = int(json.loads((base / "outcome.json").read_text())["oom_kills"])
+    except (OSError, ValueError, KeyError, TypeError):
+        group = cgroup.MemoryCgroup(spec["cgroup"], int(spec["cgroup_version"]), int(spec["memory_mb"]))
+        oom_kills = group.oom_kills()
+        group.remove()
+    return oom_kills, spec["memory_bound"]
 
 
 def spawn(code: str, limits: SandboxLimits, isolated: bool) -> tuple[subprocess.Popen, Path]:
     """Start `code` in the sandbox with piped stdin, stdout and stderr; returns the launcher process and the
-    throwaway folder the caller removes when the process is done. The caller owns the wall clock."""
+    throwaway folder the caller removes when the process is done. The caller owns the wall clock; the
+    launcher (a supervisor) ends everything the code started when the code's process exits, when it gets
+    SIGTERM (`_kill_group`) and when this process dies. Started as root without namespaces and with an
+    interpreter no other user can run, the launcher refuses to run the code (status setup_failed)."""
     base = Path(tempfile.mkdtemp(prefix="rlhf-sandbox-"))
+    group = None
     try:
         work = base / "work"
         work.mkdir()
@@ -116,14 +162,27 @@ def spawn(code: str, limits: SandboxLimits, isolated: bool) -> tuple[subprocess.
             uid = gid = JAIL_UID_BASE + os.getpid() % 50_000 * 16 + _next_slot()
             os.chown(work, uid, gid)
             os.chown(work / "main.py", uid, gid)
-        nproc = limits.max_procs + (_tasks_of(uid) if uid == os.getuid() else 0)
-        spec = {**asdict(limits), "max_procs": nproc, "work": str(work), "root": str(base / "root"), "uid": uid,
-                "gid": gid, "isolated": isolated, "python": _python()}
+            os.chmod(base, 0o711)  # the code's uid reaches its folder without listing the others
+        group = cgroup.create("sandbox", limits.memory_mb)
+        if group is not None:
+            procs, per_proc_mb = limits.max_procs, limits.memory_mb
+            bound = f"cgroup v{group.version} {limits.memory_mb} MB"
+        else:
+            procs = min(limits.max_procs, max(1, limits.memory_mb // RLIMIT_SHARE_MIN_MB))
+            per_proc_mb = limits.memory_mb // procs
+            bound = f"rlimit {procs} x {per_proc_mb} MB"
+        nproc = procs + (_tasks_of(uid) if uid == os.getuid() else 0)
+        spec = {**asdict(limits), "memory_mb": per_proc_mb, "max_procs": nproc, "work": str(work),
+                "root": str(base / "root"), "uid": uid, "gid": gid, "isolated": isolated, "python": _python(),
+                "caller": os.getpid(), "cgroup": group.path if group else None,
+                "cgroup_version": group.version if group else 0, "memory_bound": bound}
         proc = subprocess.Popen(
             [_python(), "-I", "-S", "-B", str(JAIL), json.dumps(spec)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={}, cwd=str(base),
             start_new_session=True)
     except BaseException:
+        if group is not None:
+            group.remove()
         shutil.rmtree(base, ignore_errors=True)
         raise
     return proc, base
@@ -171,7 +230,18 @@ def _communicate(proc: subprocess.Popen, data: bytes, limits: SandboxLimits) -> 
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the launcher's process group; in the namespace case its death takes the PID namespace down."""
+    """End the call: SIGTERM to the launcher, which kills everything the code started (its descendants, its
+    uid, its PID namespace and cgroup); if it is still there after `STOP_GRACE_S`, SIGKILL its whole tree
+    and process group."""
+    try:
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=STOP_GRACE_S)
+        return
+    except ProcessLookupError:
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    reaper.kill_tree(proc.pid)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:

@@ -137,6 +137,10 @@ class RewardConfig:
     fallback_score: float = 0.0
     timeout_s: float = 30.0
     num_workers: int = 2
+    # The memory of each reward process and everything it starts, together: a memory cgroup where the driver
+    # can make one (run as root), else the process's address-space limit. The reward processes are the
+    # kernel's first OOM victims either way; a call that goes over the bound is scored by on_error.
+    memory_mb: int = 4096
 
 
 @dataclass

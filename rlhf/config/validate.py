@@ -405,6 +405,7 @@ def validate_config(cfg: RunConfig) -> None:
     _require(rw.timeout_s > 0, "reward.timeout_s", "a timeout in seconds > 0 (per reward call)", rw.timeout_s)
     _require(rw.num_workers >= 1, "reward.num_workers", "an integer >= 1 (processes of a module:function reward)",
              rw.num_workers)
+    _require(rw.memory_mb >= 64, "reward.memory_mb", "megabytes >= 64 (per reward process)", rw.memory_mb)
     _check_rl_batches(cfg)
     _check_pipeline(cfg)
 

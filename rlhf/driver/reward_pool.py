@@ -6,6 +6,12 @@ or crashed) is replaced too. Requests and replies are JSON lines (rlhf/driver/re
 the user's code produces is unpickled in the driver. The processes ignore SIGINT and SIGTERM and run in
 their own session, so a stop signal to the whole job (a terminal's Ctrl-C, Slurm, `ray job stop`) leaves
 them to score the step the driver finishes; the driver ends them (`shutdown`), and they die with it.
+
+Ending one ends everything the user's function started too (a subprocess, a fork, a setsid daemon): the
+process's PID namespace or, where there is none, its whole process tree (reward_worker.py). Each process and
+all it starts share a memory bound (`reward.memory_mb`: a memory cgroup where this process can make one, else
+an address-space limit per process) and are the kernel's first OOM victims; a call that dies for memory is
+an error outcome that says so, and the process is replaced.
 """
 
 from __future__ import annotations
@@ -21,8 +27,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlhf.errors import UserError
+from workers.sandbox import cgroup, reaper
 
 START_TIMEOUT_S = 120.0  # importing the user's module (it may import torch) on a loaded machine
+KILL_TIMEOUT_S = 10.0  # for a killed process tree to be reaped
 
 
 @dataclass
@@ -37,11 +45,14 @@ class Outcome:
 class _Proc:
     """One reward process and the bytes of its reply stream not yet split into lines."""
 
-    def __init__(self, spec: str) -> None:
+    def __init__(self, spec: str, memory_mb: int) -> None:
+        self.memory_mb = memory_mb
+        self.group = cgroup.create("reward", memory_mb)
+        opts = {"caller": os.getpid(), "cgroup": self.group.path if self.group else None, "memory_mb": memory_mb}
         # In its own session: a signal to the driver's process group (Ctrl-C, `ray job stop`) is the driver's
         # to handle, and the step it finishes before stopping still needs its rewards; the driver ends these.
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "rlhf.driver.reward_worker", spec, json.dumps(sys.path)],
+            [sys.executable, "-m", "rlhf.driver.reward_worker", spec, json.dumps(sys.path), json.dumps(opts)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, bufsize=0, start_new_session=True)
         assert self.popen.stdout is not None and self.popen.stdin is not None
         self.fd = self.popen.stdout.fileno()
@@ -65,18 +76,32 @@ class _Proc:
         except (BrokenPipeError, OSError):
             return False
 
+    def death(self, code: int) -> str:
+        """Why the process exited with `code`: the memory bound when the kernel killed it for that."""
+        if self.group is not None and self.group.oom_kills() > 0:
+            return (f"killed for memory: its processes went over reward.memory_mb={self.memory_mb} "
+                    f"(exit code {code})")
+        return f"its process exited (code {code})"
+
     def kill(self) -> None:
+        """SIGKILL the process and everything below it (what the user's function started), then remove its
+        memory cgroup (which kills anything left in it)."""
         if self.popen.poll() is None:
-            self.popen.kill()
-        self.popen.wait()
+            reaper.kill_tree(self.popen.pid)
+        try:
+            self.popen.wait(timeout=KILL_TIMEOUT_S)
+        except subprocess.TimeoutExpired:  # a process in uninterruptible sleep: leave it to the kernel
+            pass
+        if self.group is not None:
+            self.group.remove()
         for f in (self.popen.stdin, self.popen.stdout):
             if f is not None:
                 f.close()
 
 
 class RewardPool:
-    def __init__(self, spec: str, workers: int, timeout_s: float) -> None:
-        self.spec, self.workers, self.timeout_s = spec, max(1, workers), timeout_s
+    def __init__(self, spec: str, workers: int, timeout_s: float, memory_mb: int) -> None:
+        self.spec, self.workers, self.timeout_s, self.memory_mb = spec, max(1, workers), timeout_s, memory_mb
         self._procs: list[_Proc] = []
 
     def start(self) -> None:
@@ -87,7 +112,7 @@ class RewardPool:
 
     def _start(self) -> _Proc:
         """A new process, once it has imported the function; UserError (one line) if it cannot."""
-        proc = _Proc(self.spec)
+        proc = _Proc(self.spec, self.memory_mb)
         deadline = time.monotonic() + max(START_TIMEOUT_S, self.timeout_s)
         while True:
             left = deadline - time.monotonic()
@@ -98,9 +123,10 @@ class RewardPool:
                                 f"{max(START_TIMEOUT_S, self.timeout_s):g} s")
             lines = proc.lines()
             if lines is None:
-                code = proc.popen.wait()
+                code = proc.popen.wait(timeout=KILL_TIMEOUT_S)
+                why = proc.death(code)
                 proc.kill()
-                raise UserError(f"reward.fn {self.spec}: its process exited (code {code}) before it was ready")
+                raise UserError(f"reward.fn {self.spec}: {why} before it was ready")
             for reply in lines:
                 if reply.get("ready"):
                     return proc
@@ -139,8 +165,8 @@ class RewardPool:
                 if proc.fd in readable:
                     lines = proc.lines()
                     if lines is None:
-                        code = proc.popen.wait()
-                        results[i] = Outcome(kind="error", message=f"its process exited (code {code})")
+                        code = proc.popen.wait(timeout=KILL_TIMEOUT_S)
+                        results[i] = Outcome(kind="error", message=proc.death(code))
                         proc.task = None
                         self._replace(proc)
                         continue

@@ -1,9 +1,17 @@
-"""A reward process: `python -m rlhf.driver.reward_worker SPEC SYS_PATH_JSON` scores samples with the user's
-`module:function` outside the driver. One JSON object per line each way (no pickle): requests
+"""A reward process: `python -m rlhf.driver.reward_worker SPEC SYS_PATH_JSON [OPTIONS_JSON]` scores samples with
+the user's `module:function` outside the driver. One JSON object per line each way (no pickle): requests
 `{"i": k, "args": [prompt, response, ground_truth]}` on stdin; replies `{"i": k, "value": x}`,
 `{"i": k, "bad": "returned str 'abc'"}` or `{"i": k, "error": "ValueError: ..."}` on the original stdout. The
 user's prints go to stderr, so they cannot garble the replies. Only the standard library is imported here,
 so a process starts in a fraction of a second.
+
+Two processes: a supervisor (this one) and, below it, the scorer that runs the function. The scorer is the
+init of its own PID namespace where the kernel allows one, so everything the function starts (a
+`subprocess`, a fork, a daemon with setsid) dies with it; elsewhere the supervisor, their subreaper, kills
+them. The supervisor watches the driver (a pidfd) and ends the scorer and all below it when the driver dies.
+OPTIONS_JSON: `caller` (the driver's pid), `cgroup` (a memory cgroup to join, or null) and `memory_mb`
+(without a cgroup, the scorer's address-space limit). Both are the kernel's first OOM victims
+(oom_score_adj 1000), before the training workers.
 """
 
 from __future__ import annotations
@@ -14,17 +22,72 @@ import json
 import math
 import numbers
 import os
+import resource
 import signal
 import sys
 from typing import IO, Any
 
+from workers.sandbox import reaper
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when the driver dies, even if the user's function never returns."""
+CLONE_NEWUSER, CLONE_NEWPID = 0x10000000, 0x20000000
+
+
+def _new_pid_namespace() -> bool:
+    """Make this process's next child the init of a new PID namespace (with a user namespace when not root);
+    False where the kernel refuses."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    uid, gid = os.getuid(), os.getgid()
+    flags = CLONE_NEWPID | (CLONE_NEWUSER if os.geteuid() != 0 else 0)
+    if libc.unshare(flags) != 0:
+        return False
+    if flags & CLONE_NEWUSER:
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+    return True
+
+
+def _bound_memory(opts: dict[str, Any]) -> None:
+    """Join the memory cgroup, or cap the address space at `memory_mb` where there is none."""
+    if opts.get("cgroup"):
+        with open(os.path.join(opts["cgroup"], "cgroup.procs"), "w") as f:
+            f.write("0")
+    elif opts.get("memory_mb"):
+        limit = int(opts["memory_mb"]) << 20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+def _supervise(opts: dict[str, Any]) -> int | None:
+    """Fork the scorer and, in this process, watch it and the driver until either exits; then kill whatever
+    is left below. Returns the exit code for this process, or None in the scorer (which goes on to score)."""
+    caller = int(opts.get("caller") or os.getppid())
     try:
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
+        caller_fd = reaper.watch(caller)
+    except ProcessLookupError:
+        return 1
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
         pass
+    reaper.prctl(reaper.PR_SET_CHILD_SUBREAPER, 1)
+    isolated = _new_pid_namespace()
+    me = os.getpid()
+    scorer = os.fork()
+    if scorer == 0:
+        reaper.prctl(reaper.PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != (0 if isolated else me):  # the supervisor died before the signal was armed
+            os._exit(1)
+        return None
+    devnull = os.open(os.devnull, os.O_RDWR)  # the scorer alone holds the pipes: the driver sees its exit
+    os.dup2(devnull, 0)
+    os.dup2(devnull, 1)
+    status = reaper.wait_child(scorer, caller, caller_fd)
+    if status is None:  # the driver died
+        reaper.kill_tree(scorer)
+        _, status = os.waitpid(scorer, 0)
+    reaper.kill_descendants(me)
+    return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
 
 
 def encode(value: Any) -> dict[str, Any]:
@@ -41,10 +104,25 @@ def _send(out: IO[str], obj: dict[str, Any]) -> None:
     out.flush()
 
 
+def _ignore(*_: object) -> None:
+    """Stop signals are the driver's: it ends this process. A handler, not SIG_IGN: a program the function
+    runs starts with the default dispositions (SIG_IGN would be inherited across exec)."""
+
+
 def main() -> int:
-    _die_with_parent()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # stop signals are the driver's: it ends this process
-        signal.signal(sig, signal.SIG_IGN)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)  # until the scorer installs its handler
+    opts = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+    code = _supervise(opts)
+    if code is not None:
+        return code
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _ignore)
+    try:
+        _bound_memory(opts)
+    except OSError as e:
+        sys.stdout.write(json.dumps({"error": f"cannot bound the reward process's memory: {e}"}) + "\n")
+        return 1
     spec, path = sys.argv[1], json.loads(sys.argv[2])
     sys.path[:0] = [p for p in path if p not in sys.path]
     out = os.fdopen(os.dup(1), "w")  # the reply channel

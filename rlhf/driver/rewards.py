@@ -24,7 +24,7 @@ def check_reward_fn(rc: RewardConfig) -> None:
     if ":" not in rc.fn:
         builtin_reward_fn(rc.fn)
         return
-    pool = RewardPool(rc.fn, 1, rc.timeout_s)
+    pool = RewardPool(rc.fn, 1, rc.timeout_s, rc.memory_mb)
     try:
         pool.start()
     finally:
@@ -63,7 +63,7 @@ class RewardScorer:
         self.spec, self.on_error, self.fallback = rc.fn, rc.on_error, rc.fallback_score
         user = ":" in rc.fn
         self.fn = None if user else builtin_reward_fn(rc.fn)
-        self.pool = RewardPool(rc.fn, rc.num_workers, rc.timeout_s) if user else None
+        self.pool = RewardPool(rc.fn, rc.num_workers, rc.timeout_s, rc.memory_mb) if user else None
         self.counts = {"reward/errors": 0.0, "reward/timeouts": 0.0}
 
     def _in_process(self, sample: tuple[Any, Any, Any]) -> Outcome:

@@ -7,7 +7,9 @@ An embedded instance:
   and the node address is checked after start (a non-loopback one stops the run);
 - keeps its session folder (logs, sockets) under `<output_dir>/ray`, or, when that path is too long for a
   unix socket, in a short `/tmp/rlhf-eray-<pid>-*` folder removed at exit (and by the next start when the
-  driver was killed);
+  driver was killed). That folder is its owner's only (0700), and Ray's temp dir is its `tmp/` subfolder:
+  Ray opens every folder it makes to all users (chmod 0777, again in each worker process that starts), so
+  the closed folder above them is what keeps other users out of its sockets and logs;
 - has its token file (`~/.ray/auth_token`, or RAY_AUTH_TOKEN_PATH) readable by its owner only;
 - is ended with the driver: a reaper process (rlhf/driver/ray_reaper.py) kills what Ray started and removes
   the driver's weight-sync files and scratch folder when the driver stops or dies, even by SIGKILL.
@@ -33,6 +35,7 @@ SCRATCH_PREFIX = "rlhf-eray-"
 # <temp dir>/session_<date>_<time>_<usec>_<pid>/sockets/<name>, up to about 70 bytes after the temp dir.
 SOCKET_PATH_MAX = 107
 SESSION_SUFFIX_MAX = 72
+RAY_SUBDIR = "tmp"  # Ray's temp dir inside the run's closed `ray/` folder
 
 
 class EmbeddedRay:
@@ -57,7 +60,7 @@ class EmbeddedRay:
 
         remove = [os.path.join(SHM_DIR, f"{PREFIX}{os.getpid()}-*")]
         if self.scratch:
-            remove.append(str(self.temp_dir))
+            remove.append(str(self.temp_dir.parent))
         self.reaper = start_reaper(processes, remove)
 
     def stop(self) -> None:
@@ -70,17 +73,24 @@ class EmbeddedRay:
             if self.reaper is not None:
                 stop_reaper(self.reaper)
             if self.scratch:
-                shutil.rmtree(self.temp_dir, ignore_errors=True)
+                shutil.rmtree(self.temp_dir.parent, ignore_errors=True)
 
 
 def ray_temp_dir(output_dir: str | Path) -> tuple[Path, bool]:
-    """The embedded Ray's temp dir and whether it is a scratch one (removed at exit): `<output_dir>/ray`
-    when Ray's socket paths under it fit in a unix socket address, else a fresh short folder in /tmp."""
+    """The embedded Ray's temp dir and whether it is a scratch one (removed at exit, with its parent): `tmp/`
+    in `<output_dir>/ray` when Ray's socket paths under it fit in a unix socket address, else in a fresh
+    short folder in /tmp. Its parent is made 0700 (see the module docstring)."""
     run_local = Path(output_dir).absolute() / "ray"
-    if len(str(run_local)) + SESSION_SUFFIX_MAX <= SOCKET_PATH_MAX:
-        run_local.mkdir(parents=True, exist_ok=True)
-        return run_local, False
-    return Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-", dir="/tmp")), True
+    if len(str(run_local / RAY_SUBDIR)) + SESSION_SUFFIX_MAX <= SOCKET_PATH_MAX:
+        private = run_local
+        private.mkdir(parents=True, exist_ok=True, mode=0o700)
+        scratch = False
+    else:
+        private = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-", dir="/tmp"))
+        scratch = True
+    private.chmod(0o700)  # also a folder an earlier run (or an older rlhf, whose Ray temp dir it was) left open
+    (private / RAY_SUBDIR).mkdir(exist_ok=True, mode=0o700)
+    return private / RAY_SUBDIR, scratch
 
 
 def remove_stale_scratch_dirs(directory: str = "/tmp") -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -102,13 +103,11 @@ def test_embedded_ray_listens_on_loopback_only(where, tmp_path):
         assert "ray get-auth-token" in proc.stdout and str(token) in proc.stdout
         assert "Prometheus" in proc.stdout and "report.png" in proc.stdout
         if where == "run_dir":
-            assert res["temp_dir"] == str(out / "ray") and res["scratch_left"]
-            assert list((out / "ray").glob("session_*/logs")), "Ray's session folder is not under the run dir"
+            assert res["temp_dir"] == str(out / "ray" / "tmp") and res["scratch_left"]
+            assert list((out / "ray" / "tmp").glob("session_*/logs")), "Ray's session folder is not under the run dir"
         else:  # the run dir is too long for Ray's unix sockets: a scratch dir in /tmp, removed at exit
             assert res["temp_dir"].startswith("/tmp/rlhf-eray-") and not res["scratch_left"]
     finally:
-        import shutil
-
         shutil.rmtree(home, ignore_errors=True)
         stale_shm.unlink(missing_ok=True)
 
@@ -138,7 +137,7 @@ def test_existing_token_made_private_and_stale_scratch_dirs_removed(tmp_path, mo
     try:
         assert scratch and len(str(long_dir)) + ray_env.SESSION_SUFFIX_MAX <= ray_env.SOCKET_PATH_MAX
     finally:
-        long_dir.rmdir()
+        shutil.rmtree(long_dir.parent)
 
 
 # A driver that starts its embedded Ray (in a scratch temp dir: the run dir is too long), an actor and a

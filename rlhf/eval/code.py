@@ -1,39 +1,22 @@
 """Running model-written code against tests, in the sandbox: the pass check for HumanEval-style tasks and a
 unit-test reward (`reward.fn=rlhf.eval.code:unit_test_pass_rate`).
 
-A script passes when it exits 0 and prints, as its last line, a random token appended after the tests: code
-that exits early (`os._exit(0)` before the tests run) or swallows the tests' failures cannot print a token
-it never saw."""
+The code and the tests run in two sandboxed processes (workers/sandbox/verdict.py): the tests call the code's
+functions across a pipe and compare only plain values decoded on their side, and the verdict comes from the
+tests' process. Code that hunts for a success marker, exits early, forges output lines or returns an object
+that equals anything cannot pass a test it fails."""
 
 from __future__ import annotations
 
 import json
 import re
-import secrets
 from typing import Any
 
-from workers.sandbox import SandboxLimits, SandboxResult, run_many
+from workers.sandbox import SandboxLimits
+from workers.sandbox.verdict import CodeCheck, run_check
 
 _FENCE = re.compile(r"```(?:python|py)?\n(.*?)```", re.DOTALL)
 REWARD_LIMITS = SandboxLimits(wall_s=10.0, cpu_s=5.0, memory_mb=512)
-
-
-def with_token(script: str) -> tuple[str, str]:
-    """`script` followed by a print of a fresh random token; returns (script, token)."""
-    token = secrets.token_hex(16)
-    return f"{script}\n\nprint({token!r})\n", token
-
-
-def passed(result: SandboxResult, token: str) -> bool:
-    lines = result.stdout.strip().splitlines()
-    return result.status == "ok" and bool(lines) and lines[-1] == token
-
-
-def run_scripts(scripts: list[str], limits: SandboxLimits, workers: int = 2) -> list[bool]:
-    """Whether each script passes (exit 0 and the token printed last), run in the sandbox in parallel."""
-    guarded = [with_token(s) for s in scripts]
-    results = run_many([g[0] for g in guarded], limits, workers=workers)
-    return [passed(r, token) for r, (_, token) in zip(results, guarded)]
 
 
 def extract_code(response: str) -> str:
@@ -57,9 +40,10 @@ def _tests(ground_truth: Any) -> list[str]:
 
 def unit_test_pass_rate(prompt: Any, response: str, ground_truth: Any) -> float:
     """Fraction of the hidden tests (ground truth: a list of statements such as `assert f(2) == 4`) that pass
-    against the code in the response, each test in its own sandboxed run."""
+    against the code in the response; each test has its own verdict (one that fails, raises or hangs does not
+    hide the others)."""
     tests = _tests(ground_truth)
     if not tests:
         return 0.0
-    code = extract_code(response)
-    return sum(run_scripts([f"{code}\n\n{test}" for test in tests], REWARD_LIMITS)) / len(tests)
+    result = run_check(CodeCheck(extract_code(response), tuple(tests)), REWARD_LIMITS)
+    return sum(result.passed) / len(tests)

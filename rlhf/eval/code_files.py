@@ -2,10 +2,12 @@
 layout (`code:<file>`), each completion run with its tests in the sandbox and scored by unbiased pass@k.
 
 HumanEval layout (jsonl: prompt, test, entry_point; task_id, canonical_solution optional): the model continues
-the prompt (a signature and docstring); the script is prompt + completion + test + `check(entry_point)`.
+the prompt (a signature and docstring); the candidate is prompt + completion, the checker runs prompt + test +
+`check(<the candidate's entry_point>)`.
 MBPP layout (jsonl: text, test_list; task_id, code, test_setup_code optional): the prompt is MBPP's (as
-lm-evaluation-harness writes it: the task, its tests, `[BEGIN]`; examples end with `[DONE]`), the script is
-test_setup_code + the code the model wrote + the tests."""
+lm-evaluation-harness writes it: the task, its tests, `[BEGIN]`; examples end with `[DONE]`), the candidate is
+test_setup_code + the code the model wrote, the checker runs test_setup_code + the tests.
+The two run apart (workers/sandbox/verdict.py): a test whose expected value is not plain data fails."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from rlhf.errors import UserError
 from rlhf.eval.code import extract_code
 from rlhf.eval.files import Row, fewshot_rows, jsonl_rows, need_field, need_text, split_files
 from rlhf.eval.items import Item, Task
+from workers.sandbox.verdict import CodeCheck
 
 CODE_STOP = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#"]
 MBPP_STOP = ["[DONE]"]
@@ -30,16 +33,22 @@ def humaneval_task() -> Task:
     return Task("humaneval", "code", items, stop=CODE_STOP, program=humaneval_program)
 
 
-def humaneval_program(item: Item, completion: str) -> str:
-    """The script HumanEval runs: the prompt, the completion, the tests and the check call."""
+def humaneval_program(item: Item, completion: str) -> CodeCheck:
+    """HumanEval's check: the candidate is the prompt and the completion; the checker runs the prompt (its
+    helpers, e.g. `poly` in HumanEval/32, are trusted dataset text), the test and `check` on the candidate's
+    entry point."""
     m = item.meta
-    return f"{item.prompt}{completion}\n\n{m['test']}\n\ncheck({m['entry_point']})\n"
+    assert isinstance(item.prompt, str)
+    return CodeCheck(candidate=f"{item.prompt}{completion}\n", setup=f"{item.prompt}\n\n{m['test']}\n",
+                     tests=(f"check({m['entry_point']})",), stubs=(m["entry_point"],))
 
 
-def mbpp_program(item: Item, completion: str) -> str:
-    """MBPP's script: the setup code, the model's code (a fenced block if it wrote one) and the asserts."""
+def mbpp_program(item: Item, completion: str) -> CodeCheck:
+    """MBPP's check: the candidate is the setup code and the model's code (a fenced block if it wrote one); the
+    checker runs the setup code and the asserts, all of which must pass."""
     m = item.meta
-    return f"{m['setup']}\n{extract_code(completion.split('[DONE]')[0])}\n\n" + "\n".join(m["tests"]) + "\n"
+    code = extract_code(completion.split("[DONE]")[0])
+    return CodeCheck(candidate=f"{m['setup']}\n{code}\n", setup=m["setup"], tests=("\n".join(m["tests"]),))
 
 
 def mbpp_prompt(text: str, tests: list[str]) -> str:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from workers.sandbox.verdict import CodeCheck
 
 
 @dataclass
@@ -22,7 +25,7 @@ class Task:
     items: list[Item]
     score: Callable[[Item, str], float] | None = None  # generate: 1.0 / 0.0 per response
     stop: list[str] = field(default_factory=list)
-    program: Callable[[Item, str], str] | None = None  # code: the script whose exit status says pass
+    program: Callable[[Item, str], CodeCheck] | None = None  # code: the candidate and the tests it must pass
     short: str = ""  # the name in metric keys (eval/<short>/<metric>): the file's stem, not its path
     config: dict[str, Any] = field(default_factory=dict)  # recorded in results.json (num_fewshot, limit, files)
     harness: Any = None  # kind "harness": the lm-eval task object

@@ -7,13 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlhf.eval.code import passed as code_passed
-from rlhf.eval.code import with_token
 from rlhf.eval.items import Task
 from rlhf.eval.loglik import option_logprobs
 from rlhf.eval.scoring import mean_stderr, pass_at_k
 from rlhf.progress import progress_bar
-from workers.sandbox import SandboxLimits, run_many
+from workers.sandbox import SandboxLimits
+from workers.sandbox.verdict import run_checks
 
 CHUNK = 64  # items per engine call: the bar moves between calls; the engine batches within one
 
@@ -117,13 +116,13 @@ def _scored(task: Task, responses: list[list[str]], opts: EvalOptions) -> tuple[
 def _code(task: Task, responses: list[list[str]], opts: EvalOptions, bar: Any = None) -> tuple[dict, list]:
     assert task.program is not None
     n = len(responses[0]) if responses else opts.n
-    guarded = [with_token(task.program(it, r)) for it, rs in zip(task.items, responses) for r in rs]
+    checks = [task.program(it, r) for it, rs in zip(task.items, responses) for r in rs]
     if bar is not None:
-        bar.reset(total=len(guarded))
+        bar.reset(total=len(checks))
         bar.unit = "run"
-    results = run_many([g[0] for g in guarded], opts.sandbox, workers=opts.sandbox_workers,
-                       on_done=None if bar is None else lambda _: bar.update(1))
-    ok = [code_passed(r, token) for r, (_, token) in zip(results, guarded)]
+    results = run_checks(checks, opts.sandbox, workers=opts.sandbox_workers,
+                         on_done=None if bar is None else lambda _: bar.update(1))
+    ok = [all(r.passed) for r in results]
     passed = [ok[i * n:(i + 1) * n] for i in range(len(task.items))]
     metrics: dict[str, Any] = _pass_at([sum(p) for p in passed], n, opts.ks(n))
     statuses: dict[str, int] = {}

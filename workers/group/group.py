@@ -37,6 +37,7 @@ from workers.group.errors import (
     WorkerTimeoutError,
     describe_rank,
     first_lines,
+    oom_note,
     refuse_taken_names,
 )
 from workers.group.nodes import node_lost, register, unregister
@@ -281,7 +282,7 @@ class WorkerGroup:
         died = is_death(exc)
         head = f"{what} failed on {self._describe(rank)}"
         if died:
-            msg = f"{head}: the actor died ({type(exc).__name__}: {first_lines(str(exc), 6)})"
+            msg = f"{head}: the actor died ({type(exc).__name__}: {first_lines(str(exc), 6)}){oom_note()}"
         else:
             msg = f"{head}: {type(exc).__name__}: {first_lines(str(exc), 60)}"
         others = sorted({r for r, _ in by_rank[1:]} - {rank})

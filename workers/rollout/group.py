@@ -20,6 +20,7 @@ from workers.group.errors import (
     WorkerTimeoutError,
     describe_rank,
     first_lines,
+    oom_note,
     refuse_taken_names,
 )
 from workers.group.nodes import node_lost, register, unregister
@@ -188,7 +189,7 @@ class RolloutGroup:
                                                f"actor died ({type(exc).__name__}: {first_lines(str(exc), 6)})){tail}")
         elif is_death(exc):
             err = RolloutDiedError(
-                f"{head}: the actor died ({type(exc).__name__}: {first_lines(str(exc), 6)}){tail}")
+                f"{head}: the actor died ({type(exc).__name__}: {first_lines(str(exc), 6)}){oom_note()}{tail}")
         elif isinstance(cause, WorkerGroupError | ValueError):
             err = cause
         else:

@@ -14,7 +14,7 @@ from rlhf.eval.code import unit_test_pass_rate
 from rlhf.eval.run import EvalOptions, _code
 from rlhf.eval.tasks import load_task
 from workers.sandbox import SandboxLimits
-from workers.sandbox.verdict import CodeCheck, run_check
+from workers.sandbox.verdict import CodeCheck, run_check, run_checks
 from workers.sandbox.verdict_harness import Unplain, decode, encode
 
 FAST = SandboxLimits(wall_s=3.0, cpu_s=2.0, memory_mb=256)
@@ -180,6 +180,13 @@ def test_modules_and_values_the_candidate_defines_reach_the_tests():
 def test_a_builtin_the_candidate_shadows_stays_the_builtin():
     code = "def abs(x):\n    return 0\ndef square(x):\n    return 99\n"
     assert run_check(CodeCheck(code, (TESTS[2],)), FAST).passed == [False]
+
+
+def test_checks_sharing_a_checker_keep_their_own_verdicts():
+    """run_checks reuses a checker process across checks: each still gets its own candidate and verdict."""
+    codes = [GOOD, ALWAYS_EQUAL, STEAL, "def square(x):\n    raise ValueError(x)\n", GOOD, "LIMIT = 1\n", GOOD]
+    results = run_checks([CodeCheck(c, tuple(TESTS)) for c in codes], FAST, workers=2)
+    assert [all(r.passed) for r in results] == [True, False, False, False, True, False, True], results
 
 
 def test_plain_values_round_trip_and_nothing_else_crosses():

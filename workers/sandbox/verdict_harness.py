@@ -25,6 +25,7 @@ from typing import IO, Any
 
 MAX_DEPTH = 100  # nesting of a plain value
 MAX_MESSAGE = 300  # characters of an error message kept
+MAX_INT_DIGITS = 100_000  # an int with more digits is not plain data (parsing one costs quadratic time)
 # Exceptions a candidate's error may raise in the checker by name (a test may expect one); any other name
 # raises CandidateError. Never StopIteration: `all(map(f, xs))` would read it as the end of the items.
 RAISABLE: dict[str, type[Exception]] = {e.__name__: e for e in (
@@ -270,7 +271,7 @@ def check(material: dict[str, Any], link: _Link) -> None:
 
 def main() -> None:
     """Keep copies of stdin and stdout for the protocol; the code's stdin is empty and its stdout is stderr."""
-    sys.set_int_max_str_digits(0)
+    sys.set_int_max_str_digits(MAX_INT_DIGITS)
     proto_in = os.fdopen(os.dup(0), "r", encoding="utf-8", errors="replace", newline="\n")
     proto_out = os.fdopen(os.dup(1), "w", encoding="utf-8", newline="\n")
     null = os.open(os.devnull, os.O_RDONLY)

@@ -133,7 +133,7 @@ def _memory_outcome(proc: subprocess.Popen, base: Path) -> tuple[int, str]:
     """(processes the kernel killed for the cgroup's bound, how memory was bounded) of a finished call. The
     supervisor leaves the count in outcome.json when it removes the cgroup; if it was killed first, the
     cgroup is read (and removed) here."""
-    spec = json.loads(proc.args[-1])  # type: ignore[index]
+    spec = json.loads(str(proc.args[-1]))  # type: ignore[index]
     if not spec.get("cgroup"):
         return 0, spec["memory_bound"]
     try:

@@ -105,15 +105,18 @@ def hf_to_mcore(
     """Convert a HF folder into a converted megatron checkpoint folder (see workers.megatron.mcore_checkpoint),
     with TP*PP*EP ranks (EP splits the routed experts; the checkpoint loads at any EP)."""
     from rlhf.checkpoint.rank_fns import hf_to_mcore_rank
+    from workers.megatron.ckpt_key import load_key
     from workers.megatron.launch import run_distributed
     from workers.megatron.model_provider import DEFAULT_VOCAB_DIVISOR, padded_vocab_size
 
     cfg, dtype = validate_hf(hf_dir, tp, pp, dtype, ep)
+    load_key()  # an unusable key file fails now, not after the conversion (it signs the result)
     padded = padded_vocab_size(cfg_get(cfg, "vocab_size"), tp, DEFAULT_VOCAB_DIVISOR)
     with staged_output_dir(out_dir, force) as tmp:  # renamed to out_dir when complete, removed on failure
         run_distributed(hf_to_mcore_rank, tp * pp * ep, args=(str(hf_dir), str(tmp), dtype, padded), tp=tp, pp=pp,
                         ep=ep, timeout_s=timeout_s)
         finish_mcore_checkpoint(tmp, hf_dir, cfg, tp, pp, dtype, padded, ep)
+        sign_converted(tmp)
     return Path(out_dir)
 
 
@@ -135,10 +138,24 @@ def finish_mcore_checkpoint(
         write_meta(out, meta)
 
 
-def validate_mcore(mcore_dir: str | Path, tp: int, pp: int, trust: bool = False, ep: int = 1):
-    """Check a converted checkpoint folder can be exported at TP `tp`, PP `pp`, EP `ep` and matches its
-    manifest (unless `trust`); return its metadata."""
-    from workers.megatron.ckpt_manifest import UntrustedCheckpointError, check_checkpoint
+def sign_converted(out: Path) -> None:
+    """Sign a finished conversion with this user's key (ckpt_manifest.py): the digests the ranks wrote into
+    `out/model`, then a manifest of the rest (`rlhf_mcore.json`, `hf/`) with `model/` nested."""
+    from workers.megatron.ckpt_key import load_key
+    from workers.megatron.ckpt_manifest import sign_manifest, write_manifest
+    from workers.megatron.mcore_checkpoint import MODEL_SUBDIR
+
+    key = load_key()
+    with file_errors(out, "write"):
+        sign_manifest(out / MODEL_SUBDIR, key)
+        write_manifest(out, key, nested=[MODEL_SUBDIR])
+
+
+def validate_mcore(mcore_dir: str | Path, tp: int, pp: int, trust: bool = False, ep: int = 1, view: bool = False):
+    """Check a converted checkpoint folder can be exported at TP `tp`, PP `pp`, EP `ep` and matches its signed
+    manifests (ckpt_manifest.py; those of the folder and of `model/`, or of `model/` only for a `view` of a
+    training checkpoint), or with `trust` that its index is readable; return its metadata."""
+    from workers.megatron.ckpt_manifest import UntrustedCheckpointError, probe_readable, verify_manifest
     from workers.megatron.mcore_checkpoint import HF_SUBDIR, MODEL_SUBDIR, read_meta
     from workers.megatron.model_provider import check_parallel_fit
 
@@ -152,8 +169,11 @@ def validate_mcore(mcore_dir: str | Path, tp: int, pp: int, trust: bool = False,
         raise UserError(str(e)) from e
     if not (folder / MODEL_SUBDIR / "metadata.json").is_file():
         raise UserError(f"{folder / MODEL_SUBDIR} is not a dist_checkpointing checkpoint (metadata.json missing)")
-    try:
-        check_checkpoint(folder / MODEL_SUBDIR, trust)
+    try:  # before any file of the folder is read further, and before any rank starts
+        if trust:
+            probe_readable(folder / MODEL_SUBDIR)
+        else:
+            verify_manifest(folder / MODEL_SUBDIR if view else folder)
     except UntrustedCheckpointError as e:
         raise UserError(str(e)) from None
     cfg = _load_config(folder / HF_SUBDIR)
@@ -178,7 +198,8 @@ def mcore_to_hf(
 ) -> Path:
     """Export a converted megatron checkpoint, or a training checkpoint's `<run>/checkpoints/<step>/policy`
     (read through `training_checkpoint_view`), to a HF folder (safetensors, config.json, tokenizer files).
-    A checkpoint without a matching manifest is refused unless `trust` (see ckpt_manifest.py).
+    A checkpoint without a manifest signed with this user's key, or damaged since, is refused unless `trust`
+    (see ckpt_manifest.py).
 
     The checkpoint is loaded at TP `tp` / PP `pp` (any layout works: dist_checkpointing reshards); each
     pipeline stage streams its tensors into its own safetensors file (plus an index when pp > 1).
@@ -189,9 +210,10 @@ def mcore_to_hf(
     from workers.megatron.mcore_checkpoint import HF_SUBDIR, META_FILE
 
     with tempfile.TemporaryDirectory(prefix="rlhf-convert-") as view_tmp:
-        if not (Path(mcore_dir) / META_FILE).is_file() and (Path(mcore_dir) / "metadata.json").is_file():
+        view = not (Path(mcore_dir) / META_FILE).is_file() and (Path(mcore_dir) / "metadata.json").is_file()
+        if view:
             mcore_dir = training_checkpoint_view(mcore_dir, Path(view_tmp) / "mcore")
-        validate_mcore(mcore_dir, tp, pp, trust, ep)
+        validate_mcore(mcore_dir, tp, pp, trust, ep, view)
         with staged_output_dir(out_dir, force) as tmp:  # renamed to out_dir when complete, removed on failure
             results = run_distributed(mcore_to_hf_rank, tp * pp * ep, args=(str(mcore_dir), str(tmp), trust),
                                       tp=tp, pp=pp, ep=ep, timeout_s=timeout_s)

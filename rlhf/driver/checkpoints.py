@@ -5,8 +5,10 @@ Layout under `<output_dir>/checkpoints/`:
     driver_state.json     step, data-loader position, KL controller, driver RNG, LR schedule, distributed-optimizer layout
     policy/ critic/ ...   each role's Megatron checkpoint (dist_checkpointing), written by its workers,
                           with the sha256 manifest that loading checks first (workers/megatron/ckpt_manifest.py)
-  latest                  text file naming the newest finished checkpoint folder
-A crash while saving leaves a `tmp-*` folder that is ignored and removed on the next save.
+  latest                  text file naming the newest finished checkpoint folder (a name in this folder only)
+A crash while saving leaves a `tmp-*` folder that is ignored and removed on the next save. A resume continues
+from `latest`, or from the newest intact step when `latest` is unusable (rlhf/driver/resume_point.py); a save
+never deletes a step folder: one left from before the resumed step is renamed `step-N.replaced-<time>-<pid>`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import os
 import random
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,7 @@ from typing import Any
 import torch
 
 from rlhf.config import RunConfig
+from rlhf.driver.resume_point import Unusable, choose_resume_point, read_driver_state
 from rlhf.errors import UserError
 from workers.files import FileProblem, os_cause
 
@@ -94,13 +98,10 @@ class CheckpointManager:
     def __init__(self, output_dir: str | Path) -> None:
         self.root = Path(output_dir) / "checkpoints"
 
-    def latest(self) -> Path | None:
-        """The newest finished checkpoint, or None."""
-        pointer = self.root / "latest"
-        if not pointer.is_file():
-            return None
-        path = self.root / pointer.read_text().strip()
-        return path if (path / "driver_state.json").is_file() else None
+    def resume_point(self, trust: bool) -> tuple[Path | None, str | None]:
+        """The checkpoint a resumed run continues from and, when `latest` was unusable, the line saying which
+        step is used instead (`rlhf.driver.resume_point`); (None, None) when the run holds none."""
+        return choose_resume_point(self.root, trust)
 
     def save(self, step: int, driver_state: dict[str, Any], write_roles: Callable[[Path], None]) -> Path:
         """Write a checkpoint for `step`: `write_roles(tmp_dir)` saves the worker groups into the folder."""
@@ -120,8 +121,10 @@ class CheckpointManager:
             if cause is not None:
                 raise FileProblem(final, f"cannot write the checkpoint: {cause}") from e
             raise
-        if final.exists():
-            shutil.rmtree(final)
+        if final.exists():  # a step after the one this run resumed from: kept, never overwritten
+            aside = self.root / f"{name}.replaced-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{os.getpid()}"
+            os.replace(final, aside)
+            print(f"checkpoint {final} was not the one this run resumed from: kept as {aside.name}", flush=True)
         os.replace(tmp, final)
         pointer_tmp = self.root / "latest.tmp"
         pointer_tmp.write_text(name)
@@ -144,7 +147,11 @@ class CheckpointManager:
 
     @staticmethod
     def driver_state(path: Path) -> dict[str, Any]:
-        return json.loads((path / "driver_state.json").read_text())
+        """The driver state saved in the step folder `path`; UserError naming the file when it is damaged."""
+        try:
+            return read_driver_state(path)
+        except Unusable as e:
+            raise UserError(str(e)) from None
 
 
 # How a full or read-only disk reads in an error raised by a worker (its message crosses the process boundary).

@@ -28,6 +28,7 @@ from rlhf.driver.checkpoints import (
 )
 from rlhf.driver.lm_data import build_lm_data, check_lm_inputs, tokenizer_path
 from rlhf.driver.metrics import MetricsLogger
+from rlhf.driver.resume_point import Unusable, read_pointer
 from rlhf.driver.scaffold import RunScaffold
 from rlhf.errors import NonFiniteError, UserError
 
@@ -44,9 +45,12 @@ def resolve_checkpoint(path: str | Path, role: str = ROLE) -> Path:
     """The `role` folder to load for `trainer.load`: accepts a run dir, its checkpoints/ folder, a step
     folder or the role folder itself (a dist_checkpointing directory)."""
     p = Path(path)
-    for pointer in (p / "checkpoints" / "latest", p / "latest"):
-        if pointer.is_file():
-            p = pointer.parent / pointer.read_text().strip()
+    for root in (p / "checkpoints", p):
+        if (root / "latest").is_file():
+            try:  # a pointer naming a path outside its folder is refused (UserError), never followed
+                p = read_pointer(root) or p
+            except Unusable as e:
+                raise UserError(f"trainer.load: {e}") from None
             break
     if (p / role / "metadata.json").is_file():
         return p / role

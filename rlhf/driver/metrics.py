@@ -1,6 +1,8 @@
 """Metric sinks for every stage: metrics.jsonl, TensorBoard, Ray gauges, a console progress bar and,
 when configured, Weights & Biases. A full or read-only disk under metrics.jsonl or TensorBoard's folder
-raises a FileProblem naming the file (one line from the CLI); a wandb failure only turns wandb off."""
+raises a FileProblem naming the file (one line from the CLI); a wandb failure only turns wandb off.
+metrics.jsonl is only appended to: a resume that logs steps again first appends a marker row, and
+`read_metrics` reads the history with the superseded rows left out (`mark_resume`)."""
 
 from __future__ import annotations
 
@@ -207,6 +209,60 @@ def _quiet_tensorboard_thread() -> None:
     threading.excepthook = hook
 
 
+RESUME_KEY = "resumed_at_step"  # the marker row a resume writes when metrics.jsonl holds rows after its step
+
+
+def _parse(lines: list[str]) -> list[dict]:
+    """The JSON object rows of metrics.jsonl lines; a torn line (a killed run's last write) is skipped."""
+    rows = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
+    return rows
+
+
+def _superseded(row: dict, resumed_at: int) -> bool:
+    """Whether a run resumed at step `resumed_at` logs `row`'s step again (all of them when it starts over)."""
+    return resumed_at == 0 or row["step"] > resumed_at
+
+
+def effective_rows(rows: list[dict]) -> list[dict]:
+    """The run's history: each resume marker hides the rows before it that the resumed run logs again."""
+    out: list[dict] = []
+    for row in rows:
+        if RESUME_KEY in row:
+            out = [r for r in out if not _superseded(r, row[RESUME_KEY])]
+        else:
+            out.append(row)
+    return out
+
+
+def mark_resume(path: Path, step: int, source: Path | None) -> int:
+    """Before a run that starts at `step` (from the checkpoint `source`, or none) appends to `path`: when
+    the file holds rows that run logs again, append a marker row `{"step": step, "resumed_at_step": step,
+    "resumed_from": ..., "superseded_rows": n}` after them, never deleting a row. A torn last line (a killed
+    run's) is ended first, so that the next row starts a line of its own. Returns n."""
+    if not path.is_file():
+        return 0
+    with file_errors(path, "read"):
+        text = path.read_text()
+    n = sum(_superseded(r, step) for r in effective_rows(_parse(text.splitlines())))
+    add = "" if text.endswith("\n") or not text else "\n"
+    if n:
+        add += json.dumps({"step": step, RESUME_KEY: step, "resumed_from": str(source) if source else None,
+                           "superseded_rows": n}) + "\n"
+    if add:
+        with file_errors(path, "write"), path.open("a") as f:
+            f.write(add)
+    return n
+
+
 def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The rows of `run_dir/metrics.jsonl` as the run's history (`effective_rows`): each step once, the rows a
+    resumed run logged again replacing the earlier ones, torn lines left out."""
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return effective_rows(_parse(path.read_text().splitlines())) if path.exists() else []

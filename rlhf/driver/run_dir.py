@@ -1,9 +1,9 @@
 """No lost history: a folder that holds a run is continued (`--resume`) or moved aside (`--force`), never
-overwritten in place; `metrics.jsonl` of a resumed run keeps only the rows up to its checkpoint."""
+overwritten in place. A resumed run keeps every earlier metrics row (rlhf.driver.metrics.mark_resume) and
+every step folder (rlhf.driver.checkpoints)."""
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -55,25 +55,3 @@ def refuse_unclaimed(out: Path, resume: str) -> None:
         raise UserError(f"trainer.output_dir: {out} holds a run (metrics.jsonl or checkpoints/); set "
                         "trainer.resume=auto to continue it, or choose another trainer.output_dir "
                         "(`rlhf train --force` moves it aside)")
-
-
-def drop_rows_after(metrics_file: Path, step: int) -> int:
-    """Keep the rows of `metrics_file` up to `step` (none when `step` is 0: the run starts over), rewritten
-    atomically; return how many were dropped. A resumed run then logs each step once."""
-    if not metrics_file.is_file():
-        return 0
-    lines = [x for x in metrics_file.read_text().splitlines() if x.strip()]
-    kept = []
-    for line in lines:
-        try:
-            row_step = int(json.loads(line)["step"])
-        except (ValueError, KeyError, TypeError):
-            continue  # a torn last line of a killed run
-        if step > 0 and row_step <= step:
-            kept.append(line)
-    if len(kept) == len(lines):
-        return 0
-    tmp = metrics_file.with_name(metrics_file.name + ".tmp")
-    tmp.write_text("".join(x + "\n" for x in kept))
-    os.replace(tmp, metrics_file)
-    return len(lines) - len(kept)

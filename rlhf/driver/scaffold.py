@@ -21,11 +21,11 @@ from typing import Any, Protocol, TypeVar
 
 from rlhf.config import RunConfig, save_config
 from rlhf.driver.checkpoints import CheckpointManager
-from rlhf.driver.metrics import MetricsLogger, wandb_args
+from rlhf.driver.metrics import MetricsLogger, mark_resume, wandb_args
 from rlhf.driver.preempt import StopSignals
 from rlhf.driver.ray_env import EmbeddedRay, init_ray
 from rlhf.driver.report import write_report
-from rlhf.driver.run_dir import drop_rows_after, refuse_unclaimed
+from rlhf.driver.run_dir import refuse_unclaimed
 from rlhf.driver.shared_dir import check_shared_run_dir
 from rlhf.errors import Stopped
 
@@ -48,6 +48,7 @@ class RunScaffold:
         self._parts: list[_Stoppable] = []
         self._tracking: dict[str, Any] | None = None
         self._own_ray: EmbeddedRay | None = None
+        self._resume: Path | None = None
         self.signals = StopSignals(cfg.trainer.stop_grace_s)
 
     def __enter__(self) -> RunScaffold:
@@ -55,9 +56,7 @@ class RunScaffold:
         self.out.mkdir(parents=True, exist_ok=True)
         save_config(self.cfg, self.out / "config.yaml")
         self._tracking = wandb_args(self.cfg)  # raises here, before Ray, if trainer.wandb is set without wandb
-        latest = self.resume_point()
-        if latest is not None:  # refused here, before Ray, unless its files match their manifests
-            self.ckpt.check_trusted(latest, self.cfg.trainer.trust_checkpoint)
+        self._resume = self._find_resume_point()  # before Ray: an unusable or untrusted checkpoint fails here
         self._own_ray = init_ray(self.cfg.trainer)
         try:
             check_shared_run_dir(self.out, min(self.cfg.trainer.timeout_s, 60.0))  # several nodes: one folder
@@ -73,15 +72,29 @@ class RunScaffold:
         self._parts.append(part)
         return part
 
+    def _find_resume_point(self) -> Path | None:
+        """With trainer.resume=auto, the intact checkpoint to continue from (`latest`, else the newest intact
+        step, said in one line), verified against its manifests; None otherwise or when the run holds none."""
+        if self.cfg.trainer.resume != "auto":
+            return None
+        path, note = self.ckpt.resume_point(self.cfg.trainer.trust_checkpoint)
+        if note is not None:
+            print(note, flush=True)
+        return path
+
     def resume_point(self) -> Path | None:
-        """The checkpoint to continue from: the latest one with trainer.resume=auto, else None."""
-        return self.ckpt.latest() if self.cfg.trainer.resume == "auto" else None
+        """The checkpoint this run continues from (chosen on entering), else None."""
+        return self._resume
 
     def metrics_logger(self, start_step: int) -> MetricsLogger:
         """The run's metric sinks (metrics.jsonl, TensorBoard, Ray gauges, progress bar, wandb). Rows a
-        resumed run logged after its checkpoint at `start_step` are dropped: each step appears once."""
+        resumed run logged after its checkpoint at `start_step` stay in metrics.jsonl, after a resume marker
+        row that `read_metrics` applies (`mark_resume`): each step is read once, nothing is deleted."""
         t = self.cfg.trainer
-        drop_rows_after(self.out / "metrics.jsonl", start_step)
+        kept = mark_resume(self.out / "metrics.jsonl", start_step, self._resume)
+        if kept:
+            print(f"metrics.jsonl: {kept} rows after step {start_step} are from before this resume; kept, marked "
+                  "superseded (read_metrics leaves them out)", flush=True)
         self.logger = MetricsLogger(self.out, t.total_steps, tensorboard=t.tensorboard, progress_bar=t.progress_bar,
                                     start_step=start_step, prefix=self.cfg.algorithm.name, wandb=self._tracking)
         return self.logger

@@ -4,7 +4,6 @@ within 30 s and exits; `--resume` on the two nodes left continues from the last 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -24,8 +23,10 @@ RUN = ["configs/grpo_tiny.yaml", "model.warm_start_steps=5", "data.val_size=8", 
 
 
 def _steps(run: Path) -> list[int]:
-    f = run / "metrics.jsonl"
-    return [json.loads(line)["step"] for line in f.read_text().splitlines() if line.strip()] if f.exists() else []
+    """The steps of the run's history (a resume supersedes the rows it logs again: read_metrics)."""
+    from rlhf.driver.metrics import read_metrics
+
+    return [r["step"] for r in read_metrics(run)]
 
 
 def _checkpoints(run: Path) -> list[int]:

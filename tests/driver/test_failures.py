@@ -11,7 +11,6 @@ stop (`trainer.timeout_s`, 300 s by default) would not print.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
@@ -30,8 +29,10 @@ HANG_S = 900.0  # bound of every wait: only a hang gets there
 
 
 def _steps(run: Path) -> list[int]:
-    f = run / "metrics.jsonl"
-    return [json.loads(x)["step"] for x in f.read_text().splitlines()] if f.exists() else []
+    """The steps of the run's history (a resume supersedes the rows it logs again: read_metrics)."""
+    from rlhf.driver.metrics import read_metrics
+
+    return [r["step"] for r in read_metrics(run)]
 
 
 def _latest_checkpoint(run: Path) -> int:
@@ -101,7 +102,7 @@ def test_killed_worker_is_reported_and_run_resumes_then_a_killed_engine_too(tmp_
     # killed: reported like a dead worker (role 'rollout', its rank, node and pid), exit code 2.
     out_file, err_file = tmp_path / "resumed_stdout.txt", tmp_path / "resumed_stderr.txt"
     with started([*args, "--resume"], out_file, err_file, env) as proc:
-        # a step the killed run never reached: logged by the resumed run, after it dropped the rows since the checkpoint
+        # a step the killed run never reached: logged by the resumed run (its rows since the checkpoint superseded)
         wait_for(f"the resumed run to log step {max(before, last_ckpt + 1) + 1}",
                  lambda: max(_steps(run), default=0) > max(before, last_ckpt + 1), proc, err_file)
         assert f"step-{last_ckpt:06d} at step {last_ckpt}" in out_file.read_text()  # only the steps since it are redone

@@ -1,12 +1,13 @@
 """No lost history: `rlhf train` refuses a folder holding a run unless --resume or --force (which moves it
-aside), `rlhf clean` refuses an existing output without --force, and a resumed run logs each step once."""
+aside), `rlhf clean` refuses an existing output without --force, and a resumed run keeps every metrics row
+while `read_metrics` reads each step once."""
 
 from __future__ import annotations
 
 import json
 
 from rlhf.cli import main as rlhf_main
-from rlhf.driver.run_dir import drop_rows_after
+from rlhf.driver.metrics import mark_resume, read_metrics
 
 BAD_DATA = ["data.task=null", "data.train_file=/nonexistent/prompts.jsonl"]  # fails right after the folder check
 
@@ -51,12 +52,21 @@ def test_inputs_alone_are_not_a_run(tmp_path, capsys):
     assert "/nonexistent/prompts.jsonl" in capsys.readouterr().err
 
 
-def test_resume_drops_rows_after_the_checkpoint(tmp_path):
+def test_resume_keeps_every_row_and_reads_each_step_once(tmp_path):
+    """A resume from step 3 of a run that logged up to step 6 (its last line torn by a kill) deletes no row: it
+    ends the torn line and appends a marker; `read_metrics` then reads steps 0-3 and the resumed run's rows.
+    A second resume, from step 0 (no checkpoint), supersedes them all."""
     f = tmp_path / "metrics.jsonl"
-    f.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(6)) + '{"step": 6, "lo')  # torn last line
-    assert drop_rows_after(f, 3) == 3
-    assert [json.loads(x)["step"] for x in f.read_text().splitlines()] == [0, 1, 2, 3]
-    assert drop_rows_after(f, 0) == 4 and f.read_text() == ""  # no checkpoint: the run starts over
+    old = "".join(json.dumps({"step": s}) + "\n" for s in range(6)) + '{"step": 6, "lo'  # torn last line
+    f.write_text(old)
+    assert mark_resume(f, 3, tmp_path / "step-000003") == 2
+    assert f.read_text().startswith(old + "\n")
+    with f.open("a") as out:
+        out.write(json.dumps({"step": 4, "again": True}) + "\n")
+    assert [(r["step"], "again" in r) for r in read_metrics(tmp_path)] == [(0, 0), (1, 0), (2, 0), (3, 0), (4, 1)]
+    assert mark_resume(f, 4, None) == 0  # nothing after step 4: no marker
+    assert mark_resume(f, 0, None) == 5 and read_metrics(tmp_path) == []
+    assert f.read_text().startswith(old + "\n") and len(f.read_text().splitlines()) == 10
 
 
 def test_clean_refuses_an_existing_output(tmp_path, capsys):

@@ -37,7 +37,7 @@ import torch
 from workers.config import build
 from workers.dtypes import as_dtype
 from workers.megatron import rope_positions
-from workers.megatron.ckpt_manifest import check_checkpoint, write_manifest
+from workers.megatron.ckpt_manifest import check_saved_files, write_manifest
 from workers.megatron.cpu_compat import cuda_absent
 from workers.megatron.ep_align import Aligned, align_micros, round_columns
 from workers.megatron.hf_fields import cfg_get
@@ -491,7 +491,7 @@ class MegatronEngine:
             dist_checkpointing.save(state, str(path))
         torch.distributed.barrier()
         if torch.distributed.get_rank() == 0:
-            write_manifest(path)  # last: what a later load checks before unpickling anything
+            write_manifest(path)  # last: the digests a later load checks; the driver signs them (ckpt_manifest)
         torch.distributed.barrier()
 
     def load_checkpoint(self, path: str | Path, load_optimizer: bool = True, load_rng: bool = True,
@@ -503,10 +503,11 @@ class MegatronEngine:
         (`dp_reshardable`), not at another TP/PP. Without it, the optimizer's main params are refreshed
         from the loaded weights (bf16 keeps fp32 copies). The RNG loads with `load_rng` at the same
         TP/PP/EP layout only (it is per model-parallel rank, and experts have an RNG stream per EP rank).
-        The folder must match its manifest (ckpt_manifest.py) unless `trust`. Returns the saved metadata."""
+        The folder must match its manifest's digests (ckpt_manifest.py; the driver checked its signature before
+        this worker started) unless `trust`. Returns the saved metadata."""
         from megatron.core import dist_checkpointing
 
-        check_checkpoint(path, trust)  # before anything in the folder is unpickled
+        check_saved_files(path, trust)  # before anything in the folder is unpickled
         path = str(path)
         common = dist_checkpointing.load_common_state_dict(path)
         meta = dict(common.get("meta", {}))

@@ -4,7 +4,8 @@ Folder layout written by `rlhf convert hf-to-mcore`:
     rlhf_mcore.json   metadata (family, tp, pp, vocab and padded vocab, dtype, tied); written last
     hf/               the HF config.json, generation_config.json and tokenizer files
     model/            dist_checkpointing checkpoint of `model.sharded_state_dict()` (loadable at any TP/PP),
-                      with its sha256 manifest (ckpt_manifest.py), checked before loading
+                      with its signed manifest (ckpt_manifest.py), checked before loading
+    rlhf_manifest.json  the signed manifest of rlhf_mcore.json and hf/ (model/ nested: it has its own)
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 
 from workers.dtypes import as_dtype
-from workers.megatron.ckpt_manifest import check_checkpoint, write_manifest
+from workers.megatron.ckpt_manifest import check_saved_files, write_manifest
 
 META_FILE = "rlhf_mcore.json"
 HF_SUBDIR = "hf"
@@ -87,13 +88,14 @@ def save_model(model: torch.nn.Module, ckpt_dir: str | Path) -> None:
     dist_checkpointing.save(model.sharded_state_dict(), str(target))
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
-        write_manifest(target)  # last: what a later load checks before unpickling anything
+        write_manifest(target)  # last: the digests a later load checks; the parent process signs them
     torch.distributed.barrier()
 
 
 def load_model(model: torch.nn.Module, ckpt_dir: str | Path, trust: bool = False) -> None:
     """Collective: load a converted checkpoint into `model` at the current TP/PP (resharding as needed).
-    `model/` must match its manifest (ckpt_manifest.py) unless `trust`. A LoRA run's training checkpoint
+    `model/` must match its manifest's digests (ckpt_manifest.py; the parent process verified its signature)
+    unless `trust`. A LoRA run's training checkpoint
     holds only the adapters: the base weights come from the HF folder it names (`meta.lora.base_model`),
     then the adapters are applied and loaded, so the model computes, and exports, W + s B A."""
     from megatron.core import dist_checkpointing
@@ -101,7 +103,7 @@ def load_model(model: torch.nn.Module, ckpt_dir: str | Path, trust: bool = False
     target = Path(ckpt_dir) / MODEL_SUBDIR
     if not (target / "metadata.json").is_file():
         raise ValueError(f"{target} is not a dist_checkpointing checkpoint (metadata.json missing)")
-    check_checkpoint(target, trust)  # before anything in the folder is unpickled
+    check_saved_files(target, trust)  # before anything in the folder is unpickled
     common = dist_checkpointing.load_common_state_dict(str(target))
     lora = (common.get("meta") or {}).get("lora") if isinstance(common, dict) else None
     with torch.no_grad():
@@ -112,9 +114,28 @@ def load_model(model: torch.nn.Module, ckpt_dir: str | Path, trust: bool = False
             from workers.megatron.lora import is_adapter_key
 
             wanted = {k: v for k, v in wanted.items() if is_adapter_key(k)}
-        state = dist_checkpointing.load(wanted, str(target))
+        state = _load_matching(wanted, target, Path(ckpt_dir) / HF_SUBDIR / "config.json")
         # a training checkpoint's common state also holds its optimizer, scheduler and metadata: the model's only
         model.load_state_dict({k: v for k, v in state.items() if k in wanted}, strict=not lora)
+
+
+def _load_matching(wanted: dict, target: Path, config: Path) -> dict:
+    """`dist_checkpointing.load` of `wanted` (the sharded state of a model built from `config`); a checkpoint
+    whose tensors do not fit that model (an edited config.json, another model's weights) is a FileProblem
+    naming both, one line for the CLI, instead of a traceback from inside the load."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    from workers.files import FileProblem, _unwrap
+
+    try:
+        return dist_checkpointing.load(wanted, str(target))
+    except BaseException as e:  # torch's CheckpointException (a BaseException) wraps the ranks' errors
+        inner = _unwrap(e)
+        if not isinstance(inner, CheckpointingException):
+            raise
+        first = (str(inner).strip().splitlines() or [type(inner).__name__])[0][:300]
+        raise FileProblem(config, f"the model it describes does not match the checkpoint {target} ({first})") from e
 
 
 def _load_lora_base(model: torch.nn.Module, target: Path, lora: dict) -> None:

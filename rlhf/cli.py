@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "rlhf.commands.preprocess",
     "rlhf.commands.clean",
     "rlhf.commands.convert",
+    "rlhf.commands.checkpoint",
     "rlhf.commands.train",
     "rlhf.commands.generate",
     "rlhf.commands.eval",

@@ -13,6 +13,21 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def checkpoint_key(tmp_path_factory):
+    """A checkpoint key of the test session (workers/megatron/ckpt_key.py), never the user's own: set in the
+    environment, so the CLI's subprocesses and ranks sign and verify with it too."""
+    from workers.megatron.ckpt_key import KEY_ENV
+
+    old = os.environ.get(KEY_ENV)
+    os.environ[KEY_ENV] = str(tmp_path_factory.mktemp("checkpoint-key") / "checkpoint.key")
+    yield os.environ[KEY_ENV]
+    if old is None:
+        os.environ.pop(KEY_ENV, None)
+    else:
+        os.environ[KEY_ENV] = old
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 

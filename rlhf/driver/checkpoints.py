@@ -105,6 +105,8 @@ class CheckpointManager:
 
     def save(self, step: int, driver_state: dict[str, Any], write_roles: Callable[[Path], None]) -> Path:
         """Write a checkpoint for `step`: `write_roles(tmp_dir)` saves the worker groups into the folder."""
+        from workers.megatron.ckpt_manifest import sign_saved
+
         self.root.mkdir(parents=True, exist_ok=True)
         for stale in self.root.glob("tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
@@ -114,6 +116,7 @@ class CheckpointManager:
         final = self.root / name
         try:
             write_roles(tmp)
+            sign_saved(tmp)  # the workers' manifests, signed here: the key stays in this process (ckpt_manifest.py)
             (tmp / "driver_state.json").write_text(json.dumps({"step": step, **driver_state}))
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays beside the checkpoints

@@ -1,6 +1,7 @@
-"""Checkpoints load only when they match the sha256 manifest written at save (or are trusted explicitly):
+"""Checkpoints load only when they match the signed manifest written at save (or are trusted explicitly):
 a planted pickle is refused by the commands before any worker starts, and by the loader itself, without
-ever being unpickled (the marker file it would create does not appear)."""
+ever being unpickled (the marker file it would create does not appear). Forged manifests, foreign keys and
+damage: test_checkpoint_signing.py."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from rlhf.cli import main as cli
 from rlhf.config import load_config
 from rlhf.errors import UserError
 from tests.stages.conftest import lm_overrides
+from workers.megatron.ckpt_key import load_key
 from workers.megatron.ckpt_manifest import (
     MANIFEST_FILE,
     UntrustedCheckpointError,
@@ -44,19 +46,19 @@ def test_manifest_detects_changed_extra_and_missing_files(tmp_path):
     (d / "sub" / "b.bin").write_bytes(b"b")
     with pytest.raises(UntrustedCheckpointError, match=f"has no {MANIFEST_FILE}.*--trust-checkpoint"):
         verify_manifest(d)
-    write_manifest(d)
+    write_manifest(d, load_key())
     verify_manifest(d)
-    assert json.loads((d / MANIFEST_FILE).read_text())["format"] == "rlhf-checkpoint-manifest-v1"
+    assert json.loads((d / MANIFEST_FILE).read_text())["format"] == "rlhf-checkpoint-manifest-v2"
     (d / "a.bin").write_bytes(b"a" * 99 + b"x")
-    with pytest.raises(UntrustedCheckpointError, match=r"a.bin does not match its sha256"):
+    with pytest.raises(UntrustedCheckpointError, match=r"a.bin changed since it was saved"):
         verify_manifest(d)
-    write_manifest(d)
+    write_manifest(d, load_key())
     (d / "sub" / "c.pt").write_bytes(b"c")
     with pytest.raises(UntrustedCheckpointError, match=r"sub/c.pt is not in its manifest"):
         verify_manifest(d)
     (d / "sub" / "c.pt").unlink()
     (d / "sub" / "b.bin").unlink()
-    with pytest.raises(UntrustedCheckpointError, match=r"sub/b.bin is missing"):
+    with pytest.raises(UntrustedCheckpointError, match=r"is damaged: sub/b.bin is missing"):
         verify_manifest(d)
     (d / MANIFEST_FILE).write_text("{not json")
     with pytest.raises(UntrustedCheckpointError, match="malformed"):
@@ -80,14 +82,14 @@ def test_converted_checkpoint_trust(tiny_model_factory, tmp_path, capsys):
     capsys.readouterr()
     assert cli(["convert", "mcore-to-hf", "--mcore", str(ckpt), "--out", str(tmp_path / "hf2")]) == 2
     err = capsys.readouterr().err
-    assert ".metadata does not match its sha256" in err and "can run code" in err and "Traceback" not in err, err
+    assert ".metadata is truncated or changed" in err and "Traceback" not in err, err
     assert cli(["generate", "--model", str(ckpt), "--prompt", "hi"]) == 2  # same check, before any engine
-    assert ".metadata does not match" in capsys.readouterr().err
+    assert ".metadata is truncated or changed" in capsys.readouterr().err
     (tmp_path / "q.jsonl").write_text(json.dumps({"prompt": "1+1?", "answer": "2"}) + "\n")
     assert cli(["eval", "--model", str(ckpt), "--tasks", f"prompts:{tmp_path / 'q.jsonl'}", "--output",
                 str(tmp_path / "results.json")]) == 2
-    assert ".metadata does not match" in capsys.readouterr().err and not (tmp_path / "results.json").exists()
-    with pytest.raises(Exception, match=r"\.metadata does not match"):  # the loader refuses on its own too
+    assert ".metadata is truncated or changed" in capsys.readouterr().err and not (tmp_path / "results.json").exists()
+    with pytest.raises(Exception, match=r"\.metadata is truncated or changed"):  # the loader refuses on its own too
         run_distributed(mcore_to_hf_rank, 1, args=(str(ckpt), str(tmp_path / "hf3"), False), timeout_s=300)
     (model / MANIFEST_FILE).unlink()  # a foreign checkpoint: no manifest at all
     assert cli(["convert", "mcore-to-hf", "--mcore", str(ckpt), "--out", str(tmp_path / "hf4")]) == 2
@@ -109,7 +111,7 @@ def _fake_run(root: Path, marker: Path, with_manifest: bool) -> Path:
     (role / "common.pt").write_bytes(b"x")
     (step / "driver_state.json").write_text(json.dumps({"step": 2}))
     if with_manifest:
-        write_manifest(role)
+        write_manifest(role, load_key())
     _plant(role, marker)
     (step.parent / "latest").write_text(step.name)
     return role

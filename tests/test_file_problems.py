@@ -229,7 +229,8 @@ def test_convert_full_disk_and_truncated_shard_leave_no_output(tmp_path, full_di
     os.truncate(shard, shard.stat().st_size // 3)
     out = tmp_path / "hf"
     assert cli(["convert", "mcore-to-hf", "--mcore", str(mc), "--out", str(out)]) == 2
-    assert "--trust-checkpoint" in _one_line(capsys, "convert")  # the manifest no longer matches the shard
+    err = _one_line(capsys, "convert")  # the signed manifest no longer matches the shard: damage, not trust
+    assert f"{shard.name} is truncated" in err and "--trust-checkpoint" not in err, err
     assert cli(["convert", "mcore-to-hf", "--mcore", str(mc), "--out", str(out), "--trust-checkpoint"]) == 2
     assert _one_line(capsys, "convert").endswith(f"{mc / 'model'}: truncated or corrupt checkpoint shard (EOFError)")
     _nothing_left(tmp_path, "mc", "full", "ro")

@@ -28,6 +28,7 @@ from rlhf.driver.report import write_report
 from rlhf.driver.run_dir import refuse_unclaimed
 from rlhf.driver.shared_dir import check_shared_run_dir
 from rlhf.errors import Stopped
+from workers.megatron.ckpt_key import load_key
 
 
 class _Stoppable(Protocol):
@@ -57,6 +58,7 @@ class RunScaffold:
         save_config(self.cfg, self.out / "config.yaml")
         self._tracking = wandb_args(self.cfg)  # raises here, before Ray, if trainer.wandb is set without wandb
         self._resume = self._find_resume_point()  # before Ray: an unusable or untrusted checkpoint fails here
+        load_key()  # before Ray: an unusable checkpoint key (it signs every save) fails now, not at the first save
         self._own_ray = init_ray(self.cfg.trainer)
         try:
             check_shared_run_dir(self.out, min(self.cfg.trainer.timeout_s, 60.0))  # several nodes: one folder

@@ -332,3 +332,45 @@ def test_corrupt_index_under_trust_is_one_line(converted, lm_inputs, tmp_path):
     with pytest.raises(UserError, match=rf"checkpoint {run / 'policy'}: \.metadata could not be read"):
         run_lm(cfg)
     assert not ray.is_initialized()
+
+
+def test_trust_command_signs_every_role_of_a_run(tmp_path, capsys):
+    """`rlhf checkpoint trust RUN --yes` signs each role folder of each step (other users' or old manifests);
+    a folder with no checkpoint, or one holding a link, is refused in one line."""
+    steps = [tmp_path / "run" / "checkpoints" / f"step-00000{i}" for i in (1, 2)]
+    roles = [s / r for s in steps for r in ("policy", "critic")]
+    for role in roles:
+        role.mkdir(parents=True)
+        (role / "metadata.json").write_text("{}")
+        (role / "common.pt").write_bytes(b"x")
+        write_manifest(role, b"o" * 32)
+    capsys.readouterr()
+    assert cli(["checkpoint", "trust", str(tmp_path / "run"), "--yes"]) == 0
+    out = capsys.readouterr().out
+    for role in roles:
+        verify_manifest(role)
+        assert f"signed {role / MANIFEST_FILE}" in out
+    assert cli(["checkpoint", "trust", str(tmp_path / "run" / "checkpoints" / "none")]) == 2
+    assert capsys.readouterr().err.strip().endswith("is not a folder")
+    (roles[0] / "link.pt").symlink_to(tmp_path / "elsewhere")
+    assert cli(["checkpoint", "trust", str(steps[0]), "--yes"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{roles[0] / 'link.pt'} is a link" in err, err
+
+
+def test_train_with_an_exposed_key_stops_before_ray(lm_inputs, tmp_path, monkeypatch, capsys):
+    """A key file others can read fails `rlhf train` in one line before Ray starts, not at the first save."""
+    import ray
+
+    key = Path(os.environ[KEY_ENV])
+    load_key()
+    monkeypatch.setenv(KEY_ENV, str(tmp_path / "exposed.key"))
+    shutil.copy(key, tmp_path / "exposed.key")
+    (tmp_path / "exposed.key").chmod(0o644)
+    capsys.readouterr()
+    assert cli(["train", str(REPO / "configs" / "sft_tiny.yaml"), *lm_overrides(lm_inputs, "sft", tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"rlhf train: error: {tmp_path / 'exposed.key'}: the checkpoint key has mode 0644: others can "
+                   f"read it and sign checkpoints as you; run `chmod 600 {tmp_path / 'exposed.key'}` (or delete it "
+                   "for a new key, which un-trusts your existing checkpoints)"), err
+    assert not ray.is_initialized()

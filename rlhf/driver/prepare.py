@@ -92,6 +92,7 @@ def _model(cfg: RunConfig, out: Path) -> None:
             HFTensorSource(m.path).close()
         except ValueError as e:
             raise ConfigError(f"model.path: {e}") from None
+        check_tokenizer(cfg)
         return
     from rlhf.tiny_models import create_tiny_model
 
@@ -126,6 +127,19 @@ def _model(cfg: RunConfig, out: Path) -> None:
                                lr=m.warm_start_lr, seed=cfg.trainer.seed, tools=rollout_tool_schemas(cfg))
             tmp.rename(warm)
         m.path = str(warm)
+
+
+def check_tokenizer(cfg: RunConfig) -> None:
+    """The tokenizer of a given model folder (model.tokenizer_path, else model.path) loads, before any worker
+    or engine starts: a folder without tokenizer files is one line naming it and the files looked for."""
+    from rlhf.data.tokenizer import load_tokenizer
+    from rlhf.errors import UserError
+
+    field = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path"
+    try:
+        load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+    except UserError as e:
+        raise ConfigError(f"{field}: {e}") from None
 
 
 def megatron_warm_start_due(cfg: RunConfig, out: Path) -> bool:
@@ -181,6 +195,10 @@ def prompt_limit(cfg: RunConfig) -> PromptLimit | None:
 
         tokenizer = tokenizer or load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
         prompts = [r["prompt"] or r["messages"] for r in records]
+        if tokenizer.chat_template is None and any(not isinstance(x, str) for x in prompts):
+            raise ConfigError(f"{'model.tokenizer_path' if cfg.model.tokenizer_path else 'model.path'}: the "
+                              f"tokenizer in {cfg.model.tokenizer_path or cfg.model.path} has no chat_template; "
+                              f"the prompts of {cfg.data.train_file} are conversations, which need one")
         return [len(ids) for ids in normalise(prompts, tokenizer, rollout_tool_schemas(cfg)).ids]
 
     return PromptLimit(context - max_tokens, f"max_position_embeddings ({context}) - rollout.max_tokens "

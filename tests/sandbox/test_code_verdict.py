@@ -202,3 +202,18 @@ def test_plain_values_round_trip_and_nothing_else_crosses():
     for bad in ({"tuple": [1], "set": []}, {"eval": "1"}, {"bytes": 3}, {"dict": [[1]]}):
         with pytest.raises(ValueError):
             decode(bad)
+
+
+def test_a_candidate_over_its_memory_bound_is_named_memory():
+    """Children and the candidate together go over memory_mb: under a cgroup the kernel kills inside the call
+    and the check says `memory` (its cgroup read and removed); under per-process limits the allocation fails.
+    Either way the wrong-by-exhaustion candidate does not pass."""
+    from workers.sandbox.sandbox import memory_bound_mode
+
+    code = ("import os, time\ndef square(x):\n    for _ in range(3):\n        if os.fork() == 0:\n"
+            "            b = b'k' * (100 << 20)\n            time.sleep(30)\n            os._exit(0)\n"
+            "    b = b'm' * (180 << 20)\n    time.sleep(30)\n    return x * x\n")
+    r = run_check(CodeCheck(code, tuple(TESTS[:1])), SandboxLimits(wall_s=8.0, cpu_s=5.0, memory_mb=256))
+    assert r.passed == [False], r
+    if memory_bound_mode().startswith("cgroup"):
+        assert r.status == "memory", r

@@ -120,13 +120,21 @@ def _run(code: str, limits: SandboxLimits, stdin: str, isolated: bool) -> Sandbo
     try:
         out, err, killed_for = _communicate(proc, stdin.encode(), limits)
         rc = proc.returncode
-        oom_kills, bound = _memory_outcome(proc, base)
     finally:
-        shutil.rmtree(base, ignore_errors=True)
+        oom_kills, bound = finish(proc, base)
     wall = time.monotonic() - t0
     stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
     status = killed_for or ("memory" if oom_kills > 0 else _classify(rc, stderr))
     return SandboxResult(status, rc, stdout, stderr, round(wall, 3), "namespaces" if isolated else "limits", bound)
+
+
+def finish(proc: subprocess.Popen, base: Path) -> tuple[int, str]:
+    """Clean up after a spawned call whose launcher has exited: (processes the kernel killed for the memory
+    bound, how memory was bounded); removes the call's folder and any cgroup its launcher left behind."""
+    try:
+        return _memory_outcome(proc, base)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def _memory_outcome(proc: subprocess.Popen, base: Path) -> tuple[int, str]:

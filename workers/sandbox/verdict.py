@@ -18,7 +18,6 @@ import functools
 import json
 import os
 import select
-import shutil
 import signal
 import subprocess
 import threading
@@ -29,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from workers.sandbox.sandbox import SandboxLimits, _kill_group, namespaces_available, spawn
+from workers.sandbox.sandbox import SandboxLimits, _kill_group, finish, namespaces_available, spawn
 
 HARNESS = Path(__file__).with_name("verdict_harness.py")
 GRACE_S = 2.0  # beyond the candidates' wall clocks, for the checker to report
@@ -134,6 +133,7 @@ class _Proc:
         self.outbox = bytearray(json.dumps(material).encode() + b"\n" if material else b"")
         self.inbox, self.err = bytearray(), bytearray()
         self.out_open = self.in_open = self.err_open = True
+        self.oom_kills = 0
 
     def send(self, line: bytes) -> None:
         self.outbox += line if line.endswith(b"\n") else line + b"\n"
@@ -177,7 +177,7 @@ class _Proc:
 
     def stop(self) -> int | None:
         """End the call as the sandbox ends its own (everything the code started), reap the launcher, remove
-        its folder; its exit code."""
+        its folder and cgroup (`oom_kills`: processes the kernel killed for its memory bound); its exit code."""
         _kill_group(self.proc)
         try:
             rc = self.proc.wait(timeout=10)
@@ -189,7 +189,7 @@ class _Proc:
                     f.close()
                 except OSError:
                     pass
-        shutil.rmtree(self.base, ignore_errors=True)
+        self.oom_kills, _ = finish(self.proc, self.base)
         return rc
 
 
@@ -198,7 +198,9 @@ def _harness() -> str:
     return HARNESS.read_text()
 
 
-def _why_ended(rc: int | None, stderr: str) -> str:
+def _why_ended(rc: int | None, stderr: str, oom_kills: int) -> str:
+    if oom_kills > 0:
+        return "memory"
     if rc == 125 and "sandbox setup failed" in stderr:
         return "setup_failed"
     if rc in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
@@ -242,7 +244,7 @@ class _Relay:
         assert cand is not None
         rc = cand.stop()
         stderr = cand.err.decode(errors="replace")
-        why = status or _why_ended(rc, stderr)
+        why = status or _why_ended(rc, stderr, cand.oom_kills)
         self._note(why, f"candidate {why} (exit {rc}): {stderr.strip()[-300:]}")
         self.candidate = None
         if self.pending is not None:
@@ -297,7 +299,7 @@ class _Relay:
                 rc = checker.stop()
         if not self.done:
             stderr = checker.err.decode(errors="replace")
-            why = "timeout" if time.monotonic() >= deadline else _why_ended(rc, stderr)
+            why = "timeout" if time.monotonic() >= deadline else _why_ended(rc, stderr, checker.oom_kills)
             self._note("checker_error" if why in ("exited", "crashed") else why,
                        f"the checker gave no verdict ({why}, exit {rc}): {stderr.strip()[-300:]}")
         passed = [self.results.get(i, False) for i in range(len(self.check.tests))]

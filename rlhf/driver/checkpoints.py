@@ -4,11 +4,12 @@ Layout under `<output_dir>/checkpoints/`:
   step-000004/            one finished checkpoint
     driver_state.json     step, data-loader position, KL controller, driver RNG, LR schedule, distributed-optimizer layout
     policy/ critic/ ...   each role's Megatron checkpoint (dist_checkpointing), written by its workers,
-                          with the sha256 manifest that loading checks first (workers/megatron/ckpt_manifest.py)
+                          with the signed manifest that loading checks first (workers/megatron/ckpt_manifest.py)
   latest                  text file naming the newest finished checkpoint folder (a name in this folder only)
 A crash while saving leaves a `tmp-*` folder that is ignored and removed on the next save. A resume continues
 from `latest`, or from the newest intact step when `latest` is unusable (rlhf/driver/resume_point.py); a save
-never deletes a step folder: one left from before the resumed step is renamed `step-N.replaced-<time>-<pid>`.
+never deletes a step folder: a save that meets an existing one (left there before this resume) renames it
+`step-N.replaced-<time>-<pid>` first.
 """
 
 from __future__ import annotations

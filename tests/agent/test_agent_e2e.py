@@ -4,10 +4,10 @@ agent metrics are logged. (Resuming is the driver's, the same with or without to
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
-import sys
+
+from tests.helpers.cli import rlhf
+from tests.helpers.runs import metrics
 
 # warm-start steps (batch 32, lr 3e-3) after which the policy writes parseable `<tool_call>...</tool_call>`
 # blocks (measured: 8 of 8 held-out prompts; at lr 1e-3, 0 of 8: the tag and keys still misspelt)
@@ -23,15 +23,14 @@ def _train_args(*args: str) -> list[str]:
 
 
 def _train(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rlhf", *_train_args(*args)], capture_output=True, text=True,
-                          timeout=900, env=dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1"))
+    return rlhf(*_train_args(*args), timeout=900)
 
 
 def test_grpo_with_tools_and_an_environment_two_steps(tmp_path):
     run = tmp_path / "tools"
     r = _train("trainer.total_steps=2", f"trainer.output_dir={run}")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics(run)
     steps = [row for row in rows if row["step"] > 0]
     vals = [row for row in rows if "val/accuracy" in row]  # validation runs the agent loop too
     assert vals and all(row["val/agent/turns_mean"] >= 1 and "val/agent/tool_calls" in row for row in vals)

@@ -9,26 +9,7 @@ from hypothesis import strategies as st
 
 from algorithms.aggregation import AGG_MODES, agg_loss, global_normalizer
 from algorithms.losses import lm_loss, policy_loss, value_loss
-
-
-def agg_ref(loss, mask, mode, normalizer=None, horizon=None):
-    if mode == "token-sum":  # no normaliser, whatever was passed
-        return sum(x for row, mr in zip(loss, mask) for x, m in zip(row, mr) if m)
-    if mode == "token-mean":
-        total = sum(x for row, mr in zip(loss, mask) for x, m in zip(row, mr) if m)
-        n = sum(sum(mr) for mr in mask)
-        return total / (normalizer if normalizer is not None else max(n, 1))
-    per_seq = []
-    for row, mr in zip(loss, mask):
-        if not any(mr):
-            continue
-        s = sum(x for x, m in zip(row, mr) if m)
-        if mode == "seq-mean-token-mean":
-            s /= sum(mr)
-        elif mode == "seq-mean-token-sum-norm":
-            s /= horizon if horizon is not None else len(mr)
-        per_seq.append(s)
-    return sum(per_seq) / (normalizer if normalizer is not None else max(len(per_seq), 1))
+from tests.helpers.references import agg_ref
 
 
 def ragged_mask(b, t, gen, allow_empty=True):

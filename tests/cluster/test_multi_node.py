@@ -22,7 +22,7 @@ import torch
 from rlhf.driver.shared_dir import check_shared_run_dir
 from rlhf.errors import UserError
 from rlhf.local_cluster import LocalCluster, NodeSpec
-from tests.workers.conftest import make_rl_batch
+from tests.helpers.batches import make_rl_batch
 from workers.group import NodeLostError, ResourceUnavailableError, WorkerGroup
 from workers.roles import PolicyWorker, fetch_state_dict
 from workers.rollout import EngineConfig, RolloutGroup, SyncConfig

@@ -1,9 +1,7 @@
-"""Fixtures for the data tests: the tiny-qwen2 tokenizer folder and small jsonl writers."""
+"""Fixtures for the data tests: the tiny-qwen2 tokenizer folder and its tokenizer (jsonl writers:
+tests/helpers/files.py)."""
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 import pytest
 
@@ -19,11 +17,3 @@ def tokenizer(tok_dir):
     from rlhf.data.tokenizer import load_tokenizer
 
     return load_tokenizer(tok_dir)
-
-
-def write_lines(path: Path, lines: list) -> Path:
-    """Write dicts as JSON lines and strings verbatim."""
-    with open(path, "w") as f:
-        for line in lines:
-            f.write((line if isinstance(line, str) else json.dumps(line)) + "\n")
-    return path

@@ -10,7 +10,7 @@ from rlhf.data.clean import clean_file, normalize_text
 from rlhf.data.indexed import open_indexed
 from rlhf.data.preprocess import preprocess_pretrain
 from rlhf.errors import UserError
-from tests.data.conftest import write_lines
+from tests.helpers.files import write_lines
 
 TEXTS = [f"What is {a}+{a + 1}? The answer is {2 * a + 1}." for a in range(40)]
 

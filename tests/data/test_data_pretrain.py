@@ -11,7 +11,7 @@ from rlhf.data.indexed import IndexedWriter
 from rlhf.data.preprocess import preprocess_pretrain
 from rlhf.data.pretrain import build_pretrain_datasets, parse_blend
 from rlhf.errors import UserError
-from tests.data.conftest import write_lines
+from tests.helpers.files import write_lines
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import pytest
 
 from rlhf.data.prompts import PromptLoader, load_prompt_dataset
 from rlhf.errors import UserError
-from tests.data.conftest import write_lines
+from tests.helpers.files import write_lines
 
 
 def _records(n: int) -> list[dict]:

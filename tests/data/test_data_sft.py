@@ -13,7 +13,7 @@ from rlhf.data.packing import pack_lengths
 from rlhf.data.sft import SFTDataset, collate_sft
 from rlhf.data.sft_indexed import preprocess_sft
 from rlhf.errors import UserError
-from tests.data.conftest import write_lines
+from tests.helpers.files import write_lines
 from workers.roles.lm import lm_attention_mask
 
 CONVERSATIONS = [

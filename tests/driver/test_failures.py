@@ -16,43 +16,14 @@ import re
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
-from test_rl_e2e import FAST
 
-HANG_S = 900.0  # bound of every wait: only a hang gets there
-
-
-def _steps(run: Path) -> list[int]:
-    """The steps of the run's history (a resume supersedes the rows it logs again: read_metrics)."""
-    from rlhf.driver.metrics import read_metrics
-
-    return [r["step"] for r in read_metrics(run)]
-
-
-def _latest_checkpoint(run: Path) -> int:
-    latest = run / "checkpoints" / "latest"
-    return int(latest.read_text().strip().split("-")[1]) if latest.is_file() else 0
-
-
-def wait_for(what: str, check: Callable[[], Any], proc: subprocess.Popen, err_file: Path,
-             timeout_s: float = HANG_S, exit_ok: bool = False) -> Any:
-    """Poll `check()` until it returns something truthy; fail naming `what` if the run exits first
-    (unless `exit_ok`) or nothing happens within `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while not (value := check()):
-        if proc.poll() is not None and not exit_ok:
-            pytest.fail(f"the run exited (code {proc.returncode}) while the test waited for {what}:\n"
-                        + err_file.read_text()[-3000:])
-        if time.monotonic() > deadline:
-            pytest.fail(f"waited {timeout_s:g}s for {what}; the run's stderr ends:\n" + err_file.read_text()[-3000:])
-        time.sleep(0.2)
-    return value
+from tests.helpers.cli import FAST, cli_env
+from tests.helpers.runs import HANG_S, latest_checkpoint, logged_steps, wait_for
 
 
 @contextlib.contextmanager
@@ -76,10 +47,10 @@ def test_killed_worker_is_reported_and_run_resumes_then_a_killed_engine_too(tmp_
     args = [sys.executable, "-m", "rlhf", "train", "configs/grpo_tiny.yaml", *FAST, "trainer.val_every=0",
             "data.val_size=4", "trainer.export_hf=false", "trainer.save_every=2", "trainer.total_steps=1000",
             f"trainer.output_dir={run}"]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    env = cli_env()
     out_file, err_file = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     with started(args, out_file, err_file, env) as proc:
-        wait_for("the first checkpoint (step 2)", lambda: _latest_checkpoint(run) >= 2, proc, err_file)
+        wait_for("the first checkpoint (step 2)", lambda: latest_checkpoint(run) >= 2, proc, err_file)
         log = run / "logs" / "policy" / "dp0-tp0-pp0.log"
         pid = int(wait_for(f"the policy rank's pid in {log}",
                            lambda: re.search(r"started: pid (\d+)", log.read_text()), proc, err_file).group(1))
@@ -93,10 +64,10 @@ def test_killed_worker_is_reported_and_run_resumes_then_a_killed_engine_too(tmp_
     line = error.group(0)
     assert "role 'policy' rank 0" in line and f"pid {pid}" in line and "the actor died" in line, line
     assert "Traceback" not in err_file.read_text().split("rlhf train: error:")[-1], err_file.read_text()[-3000:]
-    last_ckpt = _latest_checkpoint(run)
+    last_ckpt = latest_checkpoint(run)
     assert last_ckpt >= 2 and not list((run / "checkpoints").glob("tmp-*/driver_state.json"))
 
-    before = max(_steps(run))  # the last step the killed run logged
+    before = max(logged_steps(run))  # the last step the killed run logged
 
     # --resume continues from the last checkpoint. The resumed run is then the run whose rollout engine is
     # killed: reported like a dead worker (role 'rollout', its rank, node and pid), exit code 2.
@@ -104,9 +75,9 @@ def test_killed_worker_is_reported_and_run_resumes_then_a_killed_engine_too(tmp_
     with started([*args, "--resume"], out_file, err_file, env) as proc:
         # a step the killed run never reached: logged by the resumed run (its rows since the checkpoint superseded)
         wait_for(f"the resumed run to log step {max(before, last_ckpt + 1) + 1}",
-                 lambda: max(_steps(run), default=0) > max(before, last_ckpt + 1), proc, err_file)
+                 lambda: max(logged_steps(run), default=0) > max(before, last_ckpt + 1), proc, err_file)
         assert f"step-{last_ckpt:06d} at step {last_ckpt}" in out_file.read_text()  # only the steps since it are redone
-        steps = _steps(run)
+        steps = logged_steps(run)
         assert steps == sorted(set(steps)) and set(range(1, last_ckpt + 2)) <= set(steps), steps  # each step once
         pids = _engine_pids(proc.pid)
         assert len(pids) == 1, pids

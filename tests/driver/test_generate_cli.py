@@ -3,14 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
-
-def rlhf(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, "-m", "rlhf", *args], capture_output=True, text=True, env=env, timeout=600)
+from tests.helpers.cli import rlhf
 
 
 def test_generate_from_hf_and_mcore(tiny_model_factory, tmp_path):

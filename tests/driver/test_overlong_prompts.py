@@ -3,10 +3,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
 from rlhf.cli import main as rlhf_main
@@ -14,6 +10,8 @@ from rlhf.config import load_config
 from rlhf.data.tokenizer import load_tokenizer
 from rlhf.driver.prepare import load_rl_prompts
 from rlhf.errors import ConfigError
+from tests.helpers.cli import rlhf
+from tests.helpers.files import write_lines
 
 LONG = " ".join(f"word{i}" for i in range(60))  # several hundred tokens with the tiny 512-entry vocab
 
@@ -26,8 +24,7 @@ def _prompt_file(path, long: str = LONG, n_short: int = 8):
     """Chat prompts; the long one is on line 3."""
     rows = [{"messages": _chat(f"What is {i}+{i}?"), "answer": str(2 * i)} for i in range(n_short)]
     rows.insert(2, {"messages": _chat(long), "answer": "0"})
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return write_lines(path, rows)
 
 
 def _cfg(tmp_path, model: str, prompts, *overrides: str):
@@ -86,13 +83,11 @@ def test_train_drops_overlong_prompt_and_runs(tmp_path, tiny_model_factory):
     model = tiny_model_factory("tiny-qwen2")
     prompts = _prompt_file(tmp_path / "p.jsonl", long=LONG * 2)
     run = tmp_path / "run"
-    r = subprocess.run(
-        [sys.executable, "-m", "rlhf", "train", "configs/grpo_tiny.yaml", "data.task=null",
-         f"data.train_file={prompts}", "data.val_size=0", f"model.path={model}", "model.preset=null",
-         "model.warm_start_steps=0", "data.prompts_per_step=4", "rollout.n=2",
-         "policy.micro_batch_size=8", "trainer.total_steps=1", "trainer.val_every=0", "trainer.save_every=0",
-         "trainer.progress_bar=false", f"trainer.output_dir={run}"],
-        capture_output=True, text=True, timeout=600)
+    r = rlhf("train", "configs/grpo_tiny.yaml", "data.task=null",
+             f"data.train_file={prompts}", "data.val_size=0", f"model.path={model}", "model.preset=null",
+             "model.warm_start_steps=0", "data.prompts_per_step=4", "rollout.n=2",
+             "policy.micro_batch_size=8", "trainer.total_steps=1", "trainer.val_every=0", "trainer.save_every=0",
+             "trainer.progress_bar=false", f"trainer.output_dir={run}")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     assert f"{prompts}: dropped 1 prompt(s) longer than max_position_embeddings (512) - rollout.max_tokens (8)" \
         in r.stdout

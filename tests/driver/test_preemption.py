@@ -26,11 +26,12 @@ from typing import Any
 
 import psutil
 import pytest
-from test_failures import HANG_S, _latest_checkpoint, _steps, wait_for
-from test_ray_private import exposed, listening_sockets
-from test_rl_e2e import FAST, metrics
 
-ENV = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+from tests.helpers.cli import FAST, cli_env
+from tests.helpers.net import exposed, listening_sockets
+from tests.helpers.runs import HANG_S, latest_checkpoint, logged_steps, metrics, wait_for
+
+ENV = cli_env()
 USER_REWARD = "def score(prompt, response, answer):\n    return float(str(answer).strip() in response)\n"
 
 
@@ -45,7 +46,7 @@ def _stop(proc: subprocess.Popen, send: Callable[[], Any], run: Path, err_file: 
     """Call `send()` (it signals the run) once a step was logged; wait for the exit; the driver's last stderr
     line."""
     try:
-        wait_for("the first step in metrics.jsonl", lambda: any(s >= 1 for s in _steps(run)), proc, err_file)
+        wait_for("the first step in metrics.jsonl", lambda: any(s >= 1 for s in logged_steps(run)), proc, err_file)
         send()
         wait_for("the driver to exit after the signal", lambda: proc.poll() is not None, proc, err_file,
                  exit_ok=True)
@@ -66,7 +67,7 @@ def _sigterm_then_resume(tmp_path: Path) -> tuple[list[str], dict[str, str], Pat
     of its rewards fails), and the driver ends them. Before the signal: no socket beyond loopback. Then
     --resume runs one more step. Returns the run's command, environment, folder and the step it stopped at."""
     (tmp_path / "user_reward.py").write_text(USER_REWARD)
-    env = dict(ENV, PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
+    env = cli_env(tmp_path)
     run = tmp_path / "run"
     args = [sys.executable, "-m", "rlhf", "train", "configs/grpo_tiny.yaml", *FAST, "trainer.val_every=0",
             "data.val_size=4", "trainer.export_hf=false", "trainer.save_every=0", "trainer.total_steps=100000",
@@ -91,14 +92,14 @@ def _sigterm_then_resume(tmp_path: Path) -> tuple[list[str], dict[str, str], Pat
     m = re.fullmatch(r"rlhf train: stopped at step (\d+); resume with --resume", last)
     assert m, err_file.read_text()[-3000:]
     step = int(m.group(1))
-    assert _latest_checkpoint(run) == step >= 1 and max(_steps(run)) == step  # the step in flight was finished
+    assert latest_checkpoint(run) == step >= 1 and max(logged_steps(run)) == step  # the step in flight was finished
     assert "Traceback" not in err_file.read_text()
 
     resumed = subprocess.run([*args[:-2], f"trainer.total_steps={step + 1}", f"trainer.output_dir={run}",
                               "--resume"], capture_output=True, text=True, env=env, timeout=HANG_S)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"at step {step}" in resumed.stdout
-    assert _steps(run) == sorted(set(_steps(run))) and _steps(run)[-1] == step + 1
+    assert logged_steps(run) == sorted(set(logged_steps(run))) and logged_steps(run)[-1] == step + 1
     return args, env, run, step
 
 
@@ -138,4 +139,4 @@ def test_sigint_stops_sft_with_a_checkpoint(tmp_path):
     m = re.fullmatch(r"rlhf train: stopped at step (\d+); resume with --resume", last)
     assert m, err_file.read_text()[-3000:]
     state = json.loads((run / "checkpoints" / f"step-{int(m.group(1)):06d}" / "driver_state.json").read_text())
-    assert state["step"] == int(m.group(1)) == max(_steps(run))
+    assert state["step"] == int(m.group(1)) == max(logged_steps(run))

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.net import loopback
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -42,8 +44,7 @@ def _non_loopback_listeners(pids: list[int]) -> list[tuple]:
             conns = psutil.Process(pid).net_connections(kind="inet")
         except psutil.Error:
             continue
-        out += [(pid, c.laddr) for c in conns if c.status == psutil.CONN_LISTEN
-                and not c.laddr.ip.removeprefix("::ffff:").startswith("127.") and c.laddr.ip != "::1"]
+        out += [(pid, c.laddr) for c in conns if c.status == psutil.CONN_LISTEN and not loopback(c.laddr.ip)]
     return out
 
 

@@ -15,23 +15,32 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.net import loopback
+
 REPO = Path(__file__).resolve().parents[2]
 
-# Runs in its own process (a test session may already hold a Ray instance): start the run's Ray with the
-# dashboard, start a worker and an actor, list every listening socket of the processes Ray started.
-SCRIPT = """
-import json, os, sys, psutil, ray
+
+def _start_ray(dashboard: bool) -> str:
+    """Script lines that start the run's embedded Ray (output_dir from argv[1]) as `own`, and a worker with an
+    actor on it."""
+    return f"""
+import json, os, sys, time, psutil, ray
 from rlhf.config.schema import TrainerConfig
 from rlhf.driver.ray_env import init_ray, token_path
 
-own = init_ray(TrainerConfig(output_dir=sys.argv[1], dashboard=True, ray_num_cpus=2))
+own = init_ray(TrainerConfig(output_dir=sys.argv[1], dashboard={dashboard}, ray_num_cpus=2))
 @ray.remote
 class A:
     def pid(self):
         return os.getpid()
 a = A.remote()
 ray.get(a.pid.remote(), timeout=120)
-listen = []
+"""
+
+
+# Runs in its own process (a test session may already hold a Ray instance): start the run's Ray with the
+# dashboard, start a worker and an actor, list every listening socket of the processes Ray started.
+SCRIPT = _start_ray(dashboard=True) + """listen = []
 for p in psutil.Process().children(recursive=True):
     try:
         listen += [[p.pid, p.name(), c.laddr.ip, c.laddr.port] for c in p.net_connections(kind="inet")
@@ -47,31 +56,6 @@ own.stop()
 print("RESULT", json.dumps({"listen": listen, "node_ip": node_ip, "temp_dir": temp_dir, "metrics_open": metrics_open,
                             "token": str(token_path()), "scratch_left": os.path.exists(temp_dir)}))
 """
-
-
-def _loopback(ip: str) -> bool:
-    ip = ip.removeprefix("::ffff:")
-    return ip.startswith("127.") or ip == "::1"
-
-
-def listening_sockets(pid: int) -> list[tuple[int, str, str, int]]:
-    """(pid, name, address, port) of every listening TCP socket of process `pid` and all its descendants."""
-    import psutil
-
-    root = psutil.Process(pid)
-    out = []
-    for p in [root, *root.children(recursive=True)]:
-        try:
-            out += [(p.pid, " ".join(p.cmdline())[:80], c.laddr.ip, c.laddr.port) for c in p.net_connections("inet")
-                    if c.status == psutil.CONN_LISTEN]
-        except psutil.Error:
-            continue
-    return out
-
-
-def exposed(sockets: list[tuple[int, str, str, int]]) -> list[tuple[int, str, str, int]]:
-    """The sockets of `sockets` that listen beyond loopback."""
-    return [s for s in sockets if not _loopback(s[2])]
 
 
 @pytest.mark.timeout(300)
@@ -95,7 +79,7 @@ def test_embedded_ray_listens_on_loopback_only(where, tmp_path):
         assert len(res["listen"]) >= 5, res["listen"]  # GCS, raylet, agents, dashboard, the actor's worker
         names = " ".join(r[1] for r in res["listen"])
         assert "gcs_server" in names and "raylet" in names
-        exposed = [r for r in res["listen"] if not _loopback(r[2])]
+        exposed = [r for r in res["listen"] if not loopback(r[2])]
         assert not exposed, f"listening beyond loopback: {exposed}"
         token = Path(res["token"])
         assert token == home / ".ray" / "auth_token"
@@ -142,19 +126,7 @@ def test_existing_token_made_private_and_stale_scratch_dirs_removed(tmp_path, mo
 
 # A driver that starts its embedded Ray (in a scratch temp dir: the run dir is too long), an actor and a
 # weight-sync file, reports what Ray started, then waits to be killed.
-KILLED_DRIVER = """
-import json, os, sys, time, psutil, ray
-from rlhf.config.schema import TrainerConfig
-from rlhf.driver.ray_env import init_ray
-from workers.rollout.cpu.shm_file import PREFIX, SHM_DIR
-
-own = init_ray(TrainerConfig(output_dir=sys.argv[1], dashboard=False, ray_num_cpus=2))
-@ray.remote
-class A:
-    def pid(self):
-        return os.getpid()
-a = A.remote()
-ray.get(a.pid.remote(), timeout=120)
+KILLED_DRIVER = _start_ray(dashboard=False) + """from workers.rollout.cpu.shm_file import PREFIX, SHM_DIR
 shm = os.path.join(SHM_DIR, f"{PREFIX}{os.getpid()}-test.bin")
 open(shm, "wb").write(b"w")
 started = [[p.pid, p.name()] for p in psutil.Process().children(recursive=True) if p.pid != getattr(own.reaper, "pid", None)]

@@ -5,12 +5,10 @@ skipped (NaN advantages) stops with policy.optim.max_consecutive_nonfinite inste
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
-from test_rl_e2e import FAST
+from tests.helpers.cli import FAST, python
+from tests.helpers.runs import metrics
 
 USER_REWARD = '''
 import math, os, time
@@ -61,16 +59,15 @@ def test_flaky_reward_is_counted_and_skipped_updates_stop_the_run(tmp_path):
     (tmp_path / "flaky_reward.py").write_text(USER_REWARD)
     (tmp_path / "nan_step.py").write_text(STEP)
     run = tmp_path / "run"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
-    r = subprocess.run([sys.executable, str(tmp_path / "nan_step.py"), *FAST, "reward.fn=flaky_reward:flaky",
-                        "reward.timeout_s=2", "reward.num_workers=1", "reward.fallback_score=0.5",
-                        "policy.optim.max_consecutive_nonfinite=2", "trainer.total_steps=6", "trainer.val_every=0",
-                        "data.val_size=4", "trainer.export_hf=false", f"trainer.output_dir={run}"],
-                       capture_output=True, text=True, env=env, timeout=900, cwd=os.getcwd())
+    r = python(str(tmp_path / "nan_step.py"), *FAST, "reward.fn=flaky_reward:flaky",
+               "reward.timeout_s=2", "reward.num_workers=1", "reward.fallback_score=0.5",
+               "policy.optim.max_consecutive_nonfinite=2", "trainer.total_steps=6", "trainer.val_every=0",
+               "data.val_size=4", "trainer.export_hf=false", f"trainer.output_dir={run}",
+               timeout=900, path=tmp_path, cwd=os.getcwd())
     assert r.returncode == 2, r.stderr[-4000:]
     last = r.stderr.strip().splitlines()[-1]
     assert "stopped at step 2" in last and "policy.optim.max_consecutive_nonfinite=2" in last, r.stderr[-3000:]
-    rows = {row["step"]: row for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    rows = {row["step"]: row for row in metrics(run)}
     assert sorted(rows) == [0, 1, 2]  # validation at step 0 (first calls), then two skipped updates
     counted = [(row["reward/errors"], row["reward/timeouts"]) for row in rows.values()]
     assert sum(e for e, _ in counted) >= 3 and sum(t for _, t in counted) >= 1, counted

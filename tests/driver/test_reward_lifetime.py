@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from rlhf.driver.reward_pool import RewardPool
-from tests.sandbox.conftest import marked, wait_for
+from tests.helpers.procs import marked, wait_for
 
 REPO = str(Path(__file__).resolve().parents[2])
 

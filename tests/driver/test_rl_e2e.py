@@ -3,32 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-FAST = [
-    "model.warm_start_steps=5", "data.val_size=16", "data.prompts_per_step=4", "rollout.n=4",
-    "policy.micro_batch_size=8", "trainer.val_every=1", "trainer.progress_bar=false",
-]
-
-
-def rlhf(*args: str, timeout: int = 600, path: Path | None = None) -> subprocess.CompletedProcess:
-    """`rlhf ARGS` in a subprocess; `path` goes on its PYTHONPATH (for a module:function reward)."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-    if path is not None:
-        env["PYTHONPATH"] = f"{path}:{env.get('PYTHONPATH', '')}"
-    return subprocess.run([sys.executable, "-m", "rlhf", *args], capture_output=True, text=True, env=env,
-                          timeout=timeout)
-
-
-def metrics(run: Path) -> list[dict]:
-    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+from tests.helpers.cli import FAST, rlhf
+from tests.helpers.runs import metrics
 
 
 @pytest.mark.parametrize("zero_copy,old_logprobs,lora", [(False, "recompute", "adapter"), (True, "rollout", "merged")])

@@ -6,7 +6,9 @@ from __future__ import annotations
 import math
 
 import yaml
-from test_rl_e2e import FAST, metrics, rlhf
+
+from tests.helpers.cli import FAST, rlhf
+from tests.helpers.runs import metrics
 
 QUICK = [*FAST, "trainer.total_steps=2", "trainer.val_every=0", "data.val_size=4", "trainer.export_hf=false"]
 

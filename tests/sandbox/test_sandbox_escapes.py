@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sandbox.conftest import world_readable_python
+from tests.helpers.procs import world_readable_python
 from workers.sandbox import SandboxLimits, namespaces_available, run_code, run_many, sandbox
 from workers.sandbox.sandbox import JAIL_UID_BASE, _run
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sandbox.conftest import marked, wait_for, world_readable_python
+from tests.helpers.procs import marked, wait_for, world_readable_python
 from workers.sandbox import SandboxLimits, reaper, sandbox
 from workers.sandbox.sandbox import _run
 

@@ -25,7 +25,8 @@ import pytest
 
 from rlhf.cli import main as cli
 from rlhf.errors import UserError
-from tests.stages.conftest import lm_overrides
+from tests.helpers.lm import lm_overrides
+from tests.helpers.planted import Plant, fake_run
 from workers.megatron.ckpt_key import KEY_ENV, CheckpointKeyError, key_path, load_key
 from workers.megatron.ckpt_manifest import (
     MANIFEST_FILE,
@@ -36,16 +37,6 @@ from workers.megatron.ckpt_manifest import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-class _Plant:
-    """Unpickling this creates the marker file (what a hostile `.metadata` could do with any code)."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
 
 
 def _forge(folder: Path, mac: str) -> None:
@@ -166,7 +157,7 @@ def test_signed_manifest_refuses_forgeries_and_reports_damage(tmp_path):
     write_manifest(d, load_key())
     verify_manifest(d)
     for mac in ("keep", "drop", "empty", "guess"):
-        (d / "a.bin").write_bytes(pickle.dumps(_Plant(tmp_path / "PWNED")))
+        (d / "a.bin").write_bytes(pickle.dumps(Plant(tmp_path / "PWNED")))
         _forge(d, mac)
         with pytest.raises(UntrustedCheckpointError, match="--trust-checkpoint") as e:
             verify_manifest(d)
@@ -209,7 +200,7 @@ def test_forged_converted_checkpoint_is_refused_by_every_command(converted, tmp_
     for convert. The conversion's own ranks refuse a recomputed manifest's stale digests too."""
     ckpt = _copy(converted, tmp_path)
     marker = tmp_path / "PWNED"
-    (ckpt / "model" / ".metadata").write_bytes(pickle.dumps(_Plant(marker)))
+    (ckpt / "model" / ".metadata").write_bytes(pickle.dumps(Plant(marker)))
     _forge(ckpt / "model", "guess")
     for command, line in _all_one_line(ckpt, tmp_path).items():
         assert "model: rlhf_manifest.json is not signed with your checkpoint key" in line, (command, line)
@@ -220,21 +211,6 @@ def test_forged_converted_checkpoint_is_refused_by_every_command(converted, tmp_
     assert not marker.exists(), "the planted pickle was unpickled"
 
 
-def _fake_run(root: Path, marker: Path) -> Path:
-    """A run folder whose checkpoint's policy holds a planted `.metadata` under a forged manifest."""
-    step = root / "checkpoints" / "step-000002"
-    role = step / "policy"
-    role.mkdir(parents=True)
-    (role / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
-    (role / "common.pt").write_bytes(b"x")
-    (step / "driver_state.json").write_text(json.dumps({"step": 2}))
-    write_manifest(role, load_key())
-    (role / ".metadata").write_bytes(pickle.dumps(_Plant(marker)))
-    _forge(role, "guess")
-    (step.parent / "latest").write_text(step.name)
-    return role
-
-
 def test_trainer_load_refuses_a_forged_manifest(lm_inputs, tmp_path):
     """trainer.load of a checkpoint whose manifest was recomputed: refused before Ray, nothing unpickled."""
     import ray
@@ -243,7 +219,7 @@ def test_trainer_load_refuses_a_forged_manifest(lm_inputs, tmp_path):
     from rlhf.driver.lm import run_lm
 
     marker = tmp_path / "PWNED"
-    role = _fake_run(tmp_path / "other", marker)
+    role = fake_run(tmp_path / "other", marker, forge=lambda r: _forge(r, "guess"))
     cfg = load_config(None, lm_overrides(lm_inputs, "sft", tmp_path / "run", f"trainer.load={role}"))
     with pytest.raises(UserError, match=r"policy: rlhf_manifest.json is not signed with your checkpoint key"):
         run_lm(cfg)

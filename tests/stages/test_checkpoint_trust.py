@@ -6,16 +6,15 @@ damage: test_checkpoint_signing.py."""
 from __future__ import annotations
 
 import json
-import pickle
 import shutil
-from pathlib import Path
 
 import pytest
 
 from rlhf.cli import main as cli
 from rlhf.config import load_config
 from rlhf.errors import UserError
-from tests.stages.conftest import lm_overrides
+from tests.helpers.lm import lm_overrides
+from tests.helpers.planted import fake_run, plant
 from workers.megatron.ckpt_key import load_key
 from workers.megatron.ckpt_manifest import (
     MANIFEST_FILE,
@@ -23,20 +22,6 @@ from workers.megatron.ckpt_manifest import (
     verify_manifest,
     write_manifest,
 )
-
-
-class _Plant:
-    """Unpickling this creates the marker file (what a hostile `.metadata` could do with any code)."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
-def _plant(folder: Path, marker: Path) -> None:
-    (folder / ".metadata").write_bytes(pickle.dumps(_Plant(marker)))
 
 
 def test_manifest_detects_changed_extra_and_missing_files(tmp_path):
@@ -78,7 +63,7 @@ def test_converted_checkpoint_trust(tiny_model_factory, tmp_path, capsys):
     assert cli(["convert", "mcore-to-hf", "--mcore", str(ckpt), "--out", str(tmp_path / "hf1")]) == 0  # ours loads
     good_index = (model / ".metadata").read_bytes()
 
-    _plant(model, marker)  # a hostile index in a checkpoint that has our manifest
+    plant(model, marker)  # a hostile index in a checkpoint that has our manifest
     capsys.readouterr()
     assert cli(["convert", "mcore-to-hf", "--mcore", str(ckpt), "--out", str(tmp_path / "hf2")]) == 2
     err = capsys.readouterr().err
@@ -102,21 +87,6 @@ def test_converted_checkpoint_trust(tiny_model_factory, tmp_path, capsys):
     assert (tmp_path / "hf5" / "model.safetensors").read_bytes() == (tmp_path / "hf1" / "model.safetensors").read_bytes()
 
 
-def _fake_run(root: Path, marker: Path, with_manifest: bool) -> Path:
-    """A run dir whose latest checkpoint's policy folder carries a planted `.metadata`."""
-    step = root / "checkpoints" / "step-000002"
-    role = step / "policy"
-    role.mkdir(parents=True)
-    (role / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
-    (role / "common.pt").write_bytes(b"x")
-    (step / "driver_state.json").write_text(json.dumps({"step": 2}))
-    if with_manifest:
-        write_manifest(role, load_key())
-    _plant(role, marker)
-    (step.parent / "latest").write_text(step.name)
-    return role
-
-
 @pytest.mark.parametrize("how", ["load", "resume", "rl-resume"])
 def test_training_refuses_untrusted_checkpoint_before_workers(lm_inputs, tmp_path, how):
     """SFT with trainer.load / --resume and GRPO with --resume (a run dir whose checkpoint was planted)."""
@@ -128,10 +98,10 @@ def test_training_refuses_untrusted_checkpoint_before_workers(lm_inputs, tmp_pat
     marker = tmp_path / "PWNED"
     run_dir = tmp_path / "run"
     if how == "load":
-        role = _fake_run(tmp_path / "other", marker, with_manifest=False)
+        role = fake_run(tmp_path / "other", marker, with_manifest=False)
         extra, match = (f"trainer.load={role.parent.parent.parent}",), f"{role} has no {MANIFEST_FILE}"
     else:
-        role = _fake_run(run_dir, marker, with_manifest=True)
+        role = fake_run(run_dir, marker, with_manifest=True)
         extra, match = ("trainer.resume=auto",), r"policy: \.metadata is not in its manifest"
     if how == "rl-resume":
         prompts = tmp_path / "p.jsonl"

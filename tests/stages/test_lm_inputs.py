@@ -9,7 +9,7 @@ import torch
 
 from rlhf.config import load_config
 from rlhf.errors import ConfigError, UserError
-from tests.stages.conftest import lm_overrides
+from tests.helpers.lm import lm_overrides
 
 
 def _run(inputs, algo, tmp_path, *extra):

@@ -16,7 +16,7 @@ import torch
 
 from rlhf.config import load_config
 from rlhf.driver.metrics import read_metrics
-from tests.stages.conftest import lm_overrides
+from tests.helpers.lm import lm_overrides
 
 
 def run(inputs: dict, algo: str, out: Path, *extra: str) -> tuple[list[dict], object]:

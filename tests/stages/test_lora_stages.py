@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from rlhf.config import load_config
 from rlhf.driver.metrics import read_metrics
-from tests.stages.conftest import lm_overrides
+from tests.helpers.lm import lm_overrides
 
 LORA = ["policy.lora.rank=4", "policy.lora.alpha=8", "policy.optim.lr=1e-2", "trainer.export_hf=true"]
 

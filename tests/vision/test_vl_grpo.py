@@ -4,14 +4,14 @@ steps of `configs/grpo_shapes_vl.yaml`, the engines' log-probs checked against t
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from tests.helpers.cli import rlhf
+from tests.helpers.runs import metrics
 
 
 @pytest.mark.parametrize("freeze_vision", [False, True])
@@ -21,18 +21,16 @@ def test_grpo_with_images_two_steps(tmp_path: Path, freeze_vision: bool):
     # step-2 rollouts come from synced, changed weights; the recomputed log-probs must match the engine's.
     (tmp_path / "chars_reward.py").write_text("def chars(prompt, response, ground_truth):\n"
                                               "    return float(len(set(response)))\n")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
-    r = subprocess.run([sys.executable, "-m", "rlhf", "train", "configs/grpo_shapes_vl.yaml", "trainer.total_steps=2",
-                        "trainer.val_every=2", "data.val_size=8", "data.prompts_per_step=4", "rollout.n=4",
-                        "policy.micro_batch_size=16", "algorithm.mini_batches=1", "model.warm_start_steps=2",
-                        "policy.optim.lr=1e-2",
-                        "reward.fn=chars_reward:chars", "reward.num_workers=1", f"policy.freeze_vision={freeze_vision}",
-                        "trainer.progress_bar=false",
-                        f"trainer.output_dir={run}"], capture_output=True, text=True, env=env, timeout=600)
+    r = rlhf("train", "configs/grpo_shapes_vl.yaml", "trainer.total_steps=2",
+             "trainer.val_every=2", "data.val_size=8", "data.prompts_per_step=4", "rollout.n=4",
+             "policy.micro_batch_size=16", "algorithm.mini_batches=1", "model.warm_start_steps=2",
+             "policy.optim.lr=1e-2",
+             "reward.fn=chars_reward:chars", "reward.num_workers=1", f"policy.freeze_vision={freeze_vision}",
+             "trainer.progress_bar=false",
+             f"trainer.output_dir={run}", path=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     assert len(list((run / "data" / "rl_train").glob("shard-*.tar"))) == 8  # 16000 items, 2000 per shard
-    steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    steps = [s for s in steps if s["step"] > 0]
+    steps = [s for s in metrics(run) if s["step"] > 0]
     assert [s["step"] for s in steps] == [1, 2]
     for s in steps:
         assert s["grad_norm"] > 0, s

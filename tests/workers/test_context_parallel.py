@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.workers.conftest import make_rl_batch, policy_groups
+from tests.helpers.batches import make_rl_batch
+from tests.helpers.layouts import policy_groups
 from workers.megatron.context_parallel import local_columns, sequence_order
 from workers.roles import fetch_state_dict
 

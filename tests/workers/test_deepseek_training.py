@@ -15,15 +15,12 @@ from __future__ import annotations
 import math
 
 import pytest
-import ray
 import torch
 
-from tests.workers.conftest import make_rl_batch
-from workers.dispatch import split_dp_args
+from tests.helpers.batches import lm_batch, make_rl_batch, micro_counts
+from tests.helpers.layouts import max_diff, ray_groups, weights
 from workers.group import WorkerGroup
-from workers.roles import PolicyWorker, fetch_state_dict
-from workers.roles.lm import lm_batch_from_rl
-from workers.roles.micro import response_micros
+from workers.roles import PolicyWorker
 
 MOE = {"aux_loss_coeff": 0.01, "z_loss_coeff": 0.001, "expert_bias_update_rate": 1e-3}
 BIAS = "mlp.gate.e_score_correction_bias"  # DeepSeek-V3's expert bias (HF name)
@@ -34,10 +31,8 @@ METRICS = ("moe/aux_loss", "moe/z_loss", "moe/load_imbalance", "moe/load_imbalan
 @pytest.fixture(scope="module")
 def env(tmp_path_factory, tiny_model_factory):
     path = tiny_model_factory("tiny-deepseek-v3")
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     log_dir = tmp_path_factory.mktemp("logs")
-    groups = {}
-    try:
+    with ray_groups() as groups:
         for ep in (1, 2):
             groups[ep] = WorkerGroup(
                 "policy", PolicyWorker, tp=1, pp=1, dp=2, name=f"policy-ep{ep}", num_cpus_per_worker=0.5,
@@ -45,27 +40,10 @@ def env(tmp_path_factory, tiny_model_factory):
                 init_kwargs={"model_path": path, "micro_batch_size": 2, "optim": OPTIM, "ep": ep, "moe": MOE},
             )
         yield groups
-    finally:
-        for g in groups.values():
-            g.shutdown()
-        ray.shutdown()
 
 
 def biases(w: dict) -> dict:
     return {k: v for k, v in w.items() if k.endswith(BIAS)}
-
-
-def lm_batch(seed: int):
-    return lm_batch_from_rl(make_rl_batch(n=8, seed=seed).select(["input_ids", "attention_mask"]))
-
-
-def weights(group) -> dict:
-    return fetch_state_dict(group.state_dict_for_rollout())
-
-
-def max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 def test_train_step_at_ep2_equals_ep1(env):
@@ -105,12 +83,6 @@ def test_checkpoint_saved_at_ep2_resumes_at_ep1(env, tmp_path):
     for key in ("loss", "grad_norm", "moe/aux_loss"):
         assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
     assert max_diff(weights(env[1]), weights(env[2])) <= 1e-5  # the optimizer state resumed too
-
-
-def micro_counts(batch) -> list[int]:
-    """Micro-batches each DP rank of 2 runs for `batch` (prefix-shared packing, one row per micro-batch)."""
-    shards, _ = split_dp_args([batch], {}, 2, pad=True)
-    return [len(response_micros(args[0], 1, [], torch.device("cpu"), pack="prefix")) for args, _ in shards]
 
 
 def test_uneven_micro_batch_counts_at_ep2_equal_ep1(env):

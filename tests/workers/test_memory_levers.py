@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.workers.conftest import make_rl_batch, policy_groups
+from tests.helpers.batches import make_rl_batch
+from tests.helpers.layouts import policy_groups
 from workers.megatron.memory_levers import lever_overrides
 from workers.roles import fetch_state_dict
 

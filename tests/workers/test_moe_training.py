@@ -14,17 +14,13 @@ from __future__ import annotations
 import math
 
 import pytest
-import ray
 import torch
 
 from algorithms.mismatch import routing_disagreement, routing_disagreement_metrics
-from tests.workers.conftest import make_rl_batch
-from tests.workers.test_prefix_sharing import grouped_batch
-from workers.dispatch import split_dp_args
+from tests.helpers.batches import grouped_batch, lm_batch, make_rl_batch, micro_counts
+from tests.helpers.layouts import max_diff, ray_groups, weights
 from workers.group import WorkerGroup
-from workers.roles import PolicyWorker, fetch_state_dict
-from workers.roles.lm import lm_batch_from_rl
-from workers.roles.micro import response_micros
+from workers.roles import PolicyWorker
 from workers.roles.routes import POLICY_ROUTES_KEY, ROUTES_KEY
 
 MOE = {"aux_loss_coeff": 0.01, "z_loss_coeff": 0.001}
@@ -38,10 +34,8 @@ TP2_EP2 = 22  # the key of the TP=2 x EP=2 group (routing replay on)
 @pytest.fixture(scope="module")
 def env(tmp_path_factory, tiny_model_factory):
     path = tiny_model_factory("tiny-qwen2-moe")
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     log_dir = tmp_path_factory.mktemp("logs")
-    groups = {}
-    try:
+    with ray_groups() as groups:
         for ep, tp in ((1, 1), (2, 1), (TP2_EP2, 2)):
             moe = {**MOE, "routing_replay": True} if ep == TP2_EP2 else MOE
             groups[ep] = WorkerGroup(
@@ -51,23 +45,6 @@ def env(tmp_path_factory, tiny_model_factory):
                              "moe": moe},
             )
         yield groups
-    finally:
-        for g in groups.values():
-            g.shutdown()
-        ray.shutdown()
-
-
-def lm_batch(seed: int):
-    return lm_batch_from_rl(make_rl_batch(n=8, seed=seed).select(["input_ids", "attention_mask"]))
-
-
-def weights(group) -> dict:
-    return fetch_state_dict(group.state_dict_for_rollout())
-
-
-def max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 def test_train_step_at_ep2_and_tp2_ep2_equals_ep1(env):
@@ -176,12 +153,6 @@ def test_checkpoint_saved_at_ep2_resumes_at_ep1(env, tmp_path):
     for key in ("loss", "grad_norm", "moe/aux_loss"):
         assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
     assert max_diff(weights(env[1]), weights(env[2])) <= 1e-5  # the optimizer state resumed too
-
-
-def micro_counts(batch) -> list[int]:
-    """Micro-batches each DP rank of 2 runs for `batch` (prefix-shared packing, one row per micro-batch)."""
-    shards, _ = split_dp_args([batch], {}, 2, pad=True)
-    return [len(response_micros(args[0], 1, [], torch.device("cpu"), pack="prefix")) for args, _ in shards]
 
 
 def test_uneven_micro_batch_counts_at_ep2_equal_ep1(env):

@@ -11,10 +11,10 @@ import signal
 import time
 
 import pytest
-import ray
 import torch
 
-from tests.workers.conftest import hf_logprobs, make_rl_batch
+from tests.helpers.batches import hf_logprobs, make_rl_batch
+from tests.helpers.layouts import ray_groups
 from workers.group import WorkerDiedError, WorkerGroup
 from workers.roles import PolicyWorker, fetch_state_dict
 from workers.roles.lm import lm_batch_from_rl
@@ -27,10 +27,8 @@ DIST_OPT = {"tp1", "dp2"}  # these two use megatron's distributed optimizer, tp2
 @pytest.fixture(scope="module")
 def env(tmp_path_factory, tiny_model_factory):
     path = tiny_model_factory("tiny-qwen2")
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     log_dir = tmp_path_factory.mktemp("logs")
-    groups = {}
-    try:
+    with ray_groups() as groups:
         for name, (tp, pp, dp) in LAYOUTS.items():
             groups[name] = WorkerGroup(
                 "policy", PolicyWorker, tp=tp, pp=pp, dp=dp, name=f"policy-{name}", num_cpus_per_worker=0.5,
@@ -39,10 +37,6 @@ def env(tmp_path_factory, tiny_model_factory):
                              "optim": {**OPTIM, "use_distributed_optimizer": name in DIST_OPT}},
             )
         yield {"path": path, "groups": groups, "tmp": tmp_path_factory.mktemp("ckpt")}
-    finally:
-        for g in groups.values():
-            g.shutdown()
-        ray.shutdown()
 
 
 def test_logprobs_match_across_layouts(env):

@@ -4,35 +4,15 @@ logprobs, values and updates as plain packing, while computing each prompt once 
 from __future__ import annotations
 
 import pytest
-import ray
 import torch
 
-from workers.batch import Batch, pad_sequences
+from tests.helpers.batches import grouped_batch
+from tests.helpers.layouts import ray_groups
 from workers.group import WorkerGroup
 from workers.roles import CriticWorker, PolicyWorker, fetch_state_dict
 from workers.roles.micro import prefix_shared_micros, response_micros, split_group
 
 OPTIM = {"lr": 1e-4, "clip_grad": 1.0, "weight_decay": 0.0}
-
-
-def grouped_batch(prompts: int = 3, n: int = 4, seed: int = 0, vocab: int = 500, prompt_len: int = 4,
-                  resp_len: tuple[int, int] = (1, 6)) -> Batch:
-    """`prompts` prompts of different lengths (prompt_len + 2k), each with `n` responses of different
-    lengths (in [resp_len[0], resp_len[1]))."""
-    g = torch.Generator().manual_seed(seed)
-    p_seqs, r_seqs = [], []
-    for k in range(prompts):
-        prompt = torch.randint(3, vocab, (prompt_len + 2 * k,), generator=g)
-        for _ in range(n):
-            p_seqs.append(prompt)
-            r_seqs.append(torch.randint(3, vocab, (int(torch.randint(*resp_len, (1,), generator=g)),), generator=g))
-    p_ids, p_mask = pad_sequences(p_seqs, left=True)
-    r_ids, r_mask = pad_sequences(r_seqs)
-    batch = Batch({"input_ids": torch.cat([p_ids, r_ids], 1), "attention_mask": torch.cat([p_mask, r_mask], 1),
-                   "responses": r_ids, "response_mask": r_mask})
-    batch["advantages"] = torch.randn(r_ids.shape, generator=g) * r_mask
-    batch["returns"] = torch.randn(r_ids.shape, generator=g) * r_mask
-    return batch
 
 
 def test_each_prompt_is_computed_once():
@@ -68,10 +48,8 @@ def test_long_responses_split_the_group_by_the_cost_model():
 @pytest.fixture(scope="module")
 def groups(tiny_model_factory, tmp_path_factory):
     path = tiny_model_factory("tiny-qwen2")
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     log_dir = tmp_path_factory.mktemp("logs")
-    made = {}
-    try:
+    with ray_groups() as made:
         for name, cls, tp, pack in (("policy-pack", PolicyWorker, 1, True), ("policy-prefix", PolicyWorker, 1, "prefix"),
                                     ("policy-prefix-tp2", PolicyWorker, 2, "prefix"),
                                     ("critic-pack", CriticWorker, 1, True), ("critic-prefix", CriticWorker, 1, "prefix")):
@@ -79,10 +57,6 @@ def groups(tiny_model_factory, tmp_path_factory):
                                      log_dir=log_dir, init_kwargs={"model_path": path, "micro_batch_size": 2,
                                                                    "optim": OPTIM, "pack_sequences": pack})
         yield made
-    finally:
-        for g in made.values():
-            g.shutdown()
-        ray.shutdown()
 
 
 @pytest.mark.parametrize("shape", ["short", "split"])  # split: long responses, each prompt in two parts

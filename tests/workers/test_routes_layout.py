@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.workers.test_prefix_sharing import grouped_batch
+from tests.helpers.batches import grouped_batch
 from workers.roles.micro import response_micros
 from workers.roles.routes import ROUTES_KEY, batch_routes
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import ray
 import torch
 
-from tests.workers.conftest import make_rl_batch
+from tests.helpers.batches import make_rl_batch
+from tests.helpers.layouts import ray_groups
 from workers.batch import Batch, pad_sequences
 from workers.group import WorkerGroup
 from workers.roles import CriticWorker, PolicyWorker, ReferenceWorker, RewardModelWorker
@@ -15,11 +15,9 @@ from workers.roles import CriticWorker, PolicyWorker, ReferenceWorker, RewardMod
 @pytest.fixture(scope="module")
 def env(tmp_path_factory, tiny_model_factory):
     path = tiny_model_factory("tiny-qwen2")
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     log_dir = tmp_path_factory.mktemp("logs")
-    groups = {}
     common = dict(num_cpus_per_worker=0.5, timeout_s=120, log_dir=log_dir)
-    try:
+    with ray_groups() as groups:
         groups["critic"] = WorkerGroup("critic", CriticWorker, tp=2, **common,
                                        init_kwargs={"model_path": path, "micro_batch_size": 4, "optim": {"lr": 1e-3}})
         groups["rm"] = WorkerGroup("reward_model", RewardModelWorker, **common,
@@ -28,10 +26,6 @@ def env(tmp_path_factory, tiny_model_factory):
                                     init_kwargs={"model_path": path, "micro_batch_size": 4, "offload": True,
                                                  "pack_sequences": False})
         yield {"path": path, **groups}
-    finally:
-        for g in groups.values():
-            g.shutdown()
-        ray.shutdown()
 
 
 def test_critic_values_shape_and_determinism(env):

@@ -1,5 +1,5 @@
-"""Helpers of the sandbox and reward-process tests: find processes from outside by a marker in their
-command line, and an interpreter an unprivileged uid can run."""
+"""Processes seen from outside (the sandbox and reward-process tests): found by a marker in their command line,
+polled for a condition, and an interpreter an unprivileged uid can run."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from workers.sandbox import sandbox
-
 
 def world_readable_python() -> str | None:
     """An interpreter an unprivileged uid can run (what the limits-only path as root needs), or None."""
+    from workers.sandbox import sandbox
+
     for candidate in (sandbox._python(), shutil.which("python3"), "/usr/bin/python3"):
         if not candidate or not os.path.exists(candidate):
             continue

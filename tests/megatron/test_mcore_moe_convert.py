@@ -49,13 +49,14 @@ def tp1_world(models) -> tuple[list[dict], dict[str, str]]:
     """The TP1 parity world; it also saves TP1 dist checkpoints of the MoE models for the EP2 / PP2 worlds."""
     from transformers import AutoConfig
 
-    from rlhf.checkpoint.convert import finish_mcore_checkpoint
+    from rlhf.checkpoint.convert import finish_mcore_checkpoint, sign_converted
 
     dirs = [str(models[p]) for p in ALL]
     ckpts = {str(models[p]): str(models["root"] / f"{p}_tp1") for p in MOE}
     ranks = run_distributed(parity_and_reshard, 1, args=(dirs, {}, ckpts))
     for hf_dir, ckpt in ckpts.items():
         finish_mcore_checkpoint(Path(ckpt), hf_dir, AutoConfig.from_pretrained(hf_dir), 1, 1, "float32", 512)
+        sign_converted(Path(ckpt))  # as `rlhf convert hf-to-mcore` does
     return ranks, ckpts
 
 

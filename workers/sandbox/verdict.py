@@ -18,7 +18,6 @@ import functools
 import json
 import os
 import select
-import signal
 import subprocess
 import threading
 import time
@@ -28,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from workers.sandbox.sandbox import SandboxLimits, _kill_group, finish, namespaces_available, spawn
+from workers.sandbox.sandbox import SandboxLimits, _classify, _kill_group, finish, namespaces_available, spawn
 
 HARNESS = Path(__file__).with_name("verdict_harness.py")
 GRACE_S = 2.0  # beyond the candidates' wall clocks, for the checker to report
@@ -199,15 +198,10 @@ def _harness() -> str:
 
 
 def _why_ended(rc: int | None, stderr: str, oom_kills: int) -> str:
-    if oom_kills > 0:
-        return "memory"
-    if rc == 125 and "sandbox setup failed" in stderr:
-        return "setup_failed"
-    if rc in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
-        return "cpu_limit"
-    if "MemoryError" in stderr:
-        return "memory"
-    return "exited" if rc == 0 else "crashed"
+    """How a harness process ended, in the sandbox's words, except that a clean exit is "exited" and any
+    other end "crashed" (a harness is meant to be killed, not to finish)."""
+    status = "memory" if oom_kills > 0 else _classify(rc, stderr)
+    return {"ok": "exited", "error": "crashed"}.get(status, status)
 
 
 class _Relay:

@@ -1,5 +1,5 @@
-"""Pure-torch RL algorithms: advantage estimators, KL estimators and controllers, losses (also the offline
-preference ones), loss aggregation and rule-based rewards. Imports only torch and the standard library.
+"""Pure-torch RL algorithms: advantage estimators, KL estimators and controllers, policy objectives, losses
+(also the offline preference ones), loss aggregation, rule-based rewards and DAPO's overlong shaping. Imports only torch and the standard library.
 """
 
 from .advantages import (
@@ -29,8 +29,19 @@ from .kl import (
 from .losses import entropy_from_logits, lm_loss, logprobs_from_logits, policy_loss, value_loss
 from .masked import masked_mean, masked_sum, masked_var, masked_whiten
 from .mismatch import logprob_mismatch, routing_disagreement, routing_disagreement_metrics
+from .objectives import (
+    OBJECTIVES,
+    ObjectiveInputs,
+    check_objective,
+    get_objective,
+    list_objectives,
+    objective_loss,
+    register_objective,
+)
 from .off_policy import IS_CORRECTIONS, rollout_correction
+from .overlong import overlong_keep, overlong_penalty
 from .preference import PREFERENCE_LOSSES, bradley_terry_loss, check_preference_loss, preference_loss
+from .presets import ALGORITHM_PRESETS, preset_mismatches
 from .rewards import (
     RewardFn,
     RewardResult,
@@ -49,6 +60,17 @@ from .rewards import (
 
 __all__ = [
     "ADVANTAGE_KWARGS",
+    "ALGORITHM_PRESETS",
+    "OBJECTIVES",
+    "ObjectiveInputs",
+    "check_objective",
+    "get_objective",
+    "list_objectives",
+    "objective_loss",
+    "overlong_keep",
+    "overlong_penalty",
+    "preset_mismatches",
+    "register_objective",
     "AGG_MODES",
     "KL_ALIASES",
     "KL_CONTROLLERS",

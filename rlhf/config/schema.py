@@ -194,6 +194,16 @@ class AlgorithmConfig(PPOLossConfig, ValueLossConfig):
     dynamic_sampling: bool = False
     max_resample_rounds: int = 3
     oversample_factor: float = 2.0
+    # algorithms.ALGORITHM_PRESETS: a named combination of the settings above, checked (not applied) by the
+    # validator. dr_grpo: adv_estimator grpo, norm_by_std false, loss_agg_mode seq-mean-token-sum-norm
+    preset: str | None = None
+    # DAPO's overlong reward shaping (algorithms/overlong.py): a response longer than rollout.max_tokens -
+    # overlong_buffer tokens loses up to overlong_penalty_factor of its score, linearly over the buffer (0: off)
+    overlong_buffer: int = 0
+    overlong_penalty_factor: float = 1.0
+    # DAPO's overlong filtering: responses cut at rollout.max_tokens train nothing (their loss mask is zeroed;
+    # they still count in their group's advantage baseline)
+    overlong_filter: bool = False
     dpo: DPOConfig = field(default_factory=DPOConfig)
 
 

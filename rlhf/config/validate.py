@@ -1,8 +1,8 @@
 """Checks that run before any worker starts. Each error names the field and what was expected.
 
-The choices of the algorithm fields (advantage estimators, KL kinds and their aliases, KL controllers,
-loss aggregation modes, built-in reward names) are read from the registries in ``algorithms``, so a
-newly registered estimator or reward needs no edit here.
+The choices of the algorithm fields (advantage estimators, policy objectives and their options, KL kinds and
+their aliases, KL controllers, loss aggregation modes, presets, built-in reward names) are read from the
+registries in ``algorithms``, so a newly registered estimator, objective or reward needs no edit here.
 """
 
 from __future__ import annotations
@@ -17,12 +17,16 @@ from typing import Any
 
 from algorithms import (
     AGG_MODES,
+    ALGORITHM_PRESETS,
     IS_CORRECTIONS,
     KL_CONTROLLERS,
     KL_KINDS,
     PREFERENCE_LOSSES,
+    check_objective,
     list_advantage_estimators,
+    list_objectives,
     list_rewards,
+    preset_mismatches,
 )
 from rlhf.config.schema import RoleConfig, RunConfig, TrainerConfig
 from rlhf.errors import ConfigError
@@ -376,6 +380,7 @@ def validate_config(cfg: RunConfig) -> None:
     _choice(a.kl_ctrl, "algorithm.kl_ctrl", KL_CONTROLLERS)
     _choice(a.loss_agg_mode, "algorithm.loss_agg_mode", AGG_MODES)
     _choice(a.old_logprobs, "algorithm.old_logprobs", OLD_LOGPROBS_SOURCES)
+    _check_objective(cfg)
     if a.old_logprobs == "in_update" and a.ppo_epochs * a.mini_batches != 1:
         raise ConfigError(
             f"algorithm.old_logprobs=in_update takes the old log-probs from the update's forward before its only "
@@ -408,6 +413,27 @@ def validate_config(cfg: RunConfig) -> None:
     _require(rw.memory_mb >= 64, "reward.memory_mb", "megabytes >= 64 (per reward process)", rw.memory_mb)
     _check_rl_batches(cfg)
     _check_pipeline(cfg)
+
+
+def _check_objective(cfg: RunConfig) -> None:
+    """algorithm.policy_objective and its options (the objective's own check), the preset, DAPO's overlong
+    settings."""
+    a = cfg.algorithm
+    _choice(a.policy_objective, "algorithm.policy_objective", list_objectives())
+    try:
+        check_objective(a.policy_objective, vars(a))
+    except ValueError as e:
+        raise ConfigError(f"algorithm.policy_objective={a.policy_objective}: {e}") from None
+    if a.preset is not None:
+        _choice(a.preset, "algorithm.preset", sorted(ALGORITHM_PRESETS))
+        wrong = preset_mismatches(a.preset, vars(a))
+        if wrong:
+            want = ", ".join(f"algorithm.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in wrong.items())
+            raise ConfigError(f"algorithm.preset={a.preset} stands for {want}; set them, or drop the preset")
+    _require(0 <= a.overlong_buffer <= cfg.rollout.max_tokens, "algorithm.overlong_buffer",
+             f"tokens in [0, rollout.max_tokens={cfg.rollout.max_tokens}]", a.overlong_buffer)
+    _require(math.isfinite(a.overlong_penalty_factor) and a.overlong_penalty_factor >= 0,
+             "algorithm.overlong_penalty_factor", "a number >= 0", a.overlong_penalty_factor)
 
 
 def _check_pipeline(cfg: RunConfig) -> None:

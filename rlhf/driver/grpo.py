@@ -123,7 +123,7 @@ def grpo_step(roles: Roles, ctx: StepContext) -> dict[str, float]:
     roles.rollout.sleep()  # colocated engines free their memory for the policy's turn; the sync wakes them
     batch = add_logprobs(roles, batch, ctx)
     with ctx.phase("advantages"):
-        batch, adv_metrics = add_advantages(batch, cfg.algorithm, ctx.kl_ctrl.value)
+        batch, adv_metrics = add_advantages(batch, cfg.algorithm, ctx.kl_ctrl.value, cfg.rollout.max_tokens)
     with ctx.phase("train"):
         train_metrics = roles.policy.train(batch, loss_config(cfg))
     with ctx.phase("sync"):

@@ -16,7 +16,7 @@ def ppo_step(roles: Roles, ctx: StepContext) -> dict[str, float]:
     with ctx.phase("critic"):
         batch = roles.critic.values(batch)
     with ctx.phase("advantages"):
-        batch, adv_metrics = add_advantages(batch, cfg.algorithm, ctx.kl_ctrl.value)
+        batch, adv_metrics = add_advantages(batch, cfg.algorithm, ctx.kl_ctrl.value, cfg.rollout.max_tokens)
     with ctx.phase("train"):
         critic_metrics = roles.critic.train(batch, value_loss_config(cfg))
         policy_metrics = roles.policy.train(batch, loss_config(cfg))

@@ -32,11 +32,20 @@ class ValueLossConfig(UpdateConfig):
 
 @dataclass
 class PPOLossConfig(UpdateConfig):
-    """The policy's clipped surrogate loss, with entropy bonus and KL to the reference as loss terms."""
+    """The policy's objective (PPO's clipped surrogate by default), with entropy bonus and KL to the reference as
+    loss terms (`algorithms.objective_loss`)."""
 
+    # algorithms.list_objectives(): ppo_clip | gspo | gmpo | cispo | sapo, or one added with register_objective;
+    # each takes the settings below that its function names (algorithms/objectives/<name>.py)
+    policy_objective: str = "ppo_clip"
+    # the clip range of ppo_clip, gspo (sequence ratio; its paper: 3e-4 / 4e-4), cispo (the IS weight) and gmpo
+    # (there the log-ratio's bounds; its paper: 0.4 / 0.4)
     clip_low: float = 0.2
     clip_high: float = 0.2
-    clip_c: float | None = None  # dual clip constant (> 1); null: off (verl's default is 3)
+    clip_c: float | None = None  # ppo_clip's dual clip constant (> 1); null: off (verl's default is 3)
+    # sapo: the soft gate's temperatures for positive / negative advantages
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
     entropy_coef: float = 0.0
     kl_coef: float = 0.0  # > 0 with `ref_logprobs` in the batch: KL as a loss term
     kl_kind: str = "k3"  # algorithms.KL_KINDS or an alias in algorithms.KL_ALIASES

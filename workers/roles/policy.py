@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from algorithms import agg_loss, kl_estimate, logprob_mismatch, policy_loss, rollout_correction
+from algorithms import ObjectiveInputs, logprob_mismatch, objective_loss, rollout_correction
 from workers.batch import Batch
 from workers.config import build
 from workers.dispatch import DP_COMPUTE, ONE_TO_ALL, register, split_by_minibatch
@@ -56,14 +56,16 @@ class PolicyWorker(RolloutSyncMixin, LogprobMixin, LMMixin, PreferenceMixin, Meg
     @register(DP_COMPUTE, pad=False, split=split_by_minibatch())
     def train_step(self, batch: Batch, loss_config: dict[str, Any] | PPOLossConfig | None = None,
                    micro_batch_size: int | None = None, temperature: float = 1.0) -> dict[str, float]:
-        """PPO: `ppo_epochs` x `mini_batches` optimizer steps on the batch, log-probs taken at the rollout's
-        `temperature`; returns metrics averaged over the steps (policy loss, clipfrac, approx_kl, entropy,
-        kl, grad_norm, lr, skipped_steps, ...). MoE models with `moe.routing_replay`: every token uses the
-        experts of the batch's `routed_experts` (the rollout's) where it has them."""
+        """PPO-style update: `ppo_epochs` x `mini_batches` optimizer steps on `algorithms.objective_loss` of
+        `policy_objective`, log-probs taken at the rollout's `temperature`; returns metrics averaged over the
+        steps (policy loss, clipfrac, approx_kl, entropy, kl, grad_norm, lr, skipped_steps, ...). MoE models
+        with `moe.routing_replay`: every token uses the experts of the batch's `routed_experts` (the rollout's)
+        where it has them."""
         cfg = build(PPOLossConfig, loss_config)
         agg, vocab = cfg.loss_agg_mode, self.engine.vocab_size
         use_kl = cfg.kl_coef > 0 and "ref_logprobs" in batch
         need_entropy = cfg.entropy_coef != 0
+        options = vars(cfg)  # the objective takes the settings it names
         c0 = time.process_time()
 
         def loss_fn(sl: torch.Tensor, f: dict[str, torch.Tensor], mask: torch.Tensor, norm: torch.Tensor,
@@ -72,18 +74,11 @@ class PolicyWorker(RolloutSyncMixin, LogprobMixin, LMMixin, PreferenceMixin, Meg
             old, adv = f["old_logprobs"].float() if "old_logprobs" in f else None, f["advantages"].float()
             if old is None:  # in_update: the policy before this, the only step, is the one computing logp
                 old, adv = logp.detach().float(), correct_in_update(logp, adv, f, mask, cfg, acc)
-            pg, m = policy_loss(logp, old, adv, mask, cfg.clip_low, cfg.clip_high, cfg.clip_c, agg, normalizer=norm)
-            loss = pg
-            parts = {"pg_loss": pg.detach()}
-            if need_entropy:
-                ent_loss = agg_loss(ent, mask, agg, normalizer=norm)
-                loss = loss - cfg.entropy_coef * ent_loss
-                parts["entropy_loss"] = ent_loss.detach()
-            if use_kl:
-                kl = agg_loss(kl_estimate(logp, f["ref_logprobs"].float(), cfg.kl_kind), mask, agg, normalizer=norm)
-                loss = loss + cfg.kl_coef * kl
-                parts["kl_loss"] = kl.detach()
-            parts["loss"] = loss.detach()
+            x = ObjectiveInputs(logp, old, adv, mask, f.get("rollout_logprobs"), agg, normalizer=norm)
+            ref = f["ref_logprobs"].float() if use_kl else None
+            loss, parts, m = objective_loss(cfg.policy_objective, x, options, entropy=ent,
+                                            entropy_coef=cfg.entropy_coef, ref_logp=ref, kl_coef=cfg.kl_coef,
+                                            kl_kind=cfg.kl_kind)
             n_tok = float(mask.sum())
             acc.add_sum({**parts, "tokens": n_tok})  # loss parts carry the global normaliser
             acc.add_mean(m, weight=n_tok)

@@ -1,4 +1,5 @@
-"""Shared fixtures: offline HF, a GPU marker that skips with the reason, and tiny models built once."""
+"""Shared fixtures: offline HF, a GPU marker that skips with the reason, tiny models built once, and the one
+embedded Ray of the test process (tests/helpers/ray_cluster.py)."""
 
 from __future__ import annotations
 
@@ -52,3 +53,33 @@ def tiny_model_factory(tmp_path_factory):
         return cache[preset]
 
     return factory
+
+
+@pytest.fixture(scope="module")
+def ray_session(request):
+    """The test process's shared embedded Ray (4 CPUs), started if not up; when the module is done, every CPU
+    must be free again (tests/helpers/ray_cluster.py)."""
+    from tests.helpers.ray_cluster import assert_cluster_free, shared_ray
+
+    shared_ray()
+    yield
+    assert_cluster_free(request.module.__name__)
+
+
+@pytest.fixture
+def no_ray():
+    """No Ray in this process while the test runs: for tests that prove a refusal came before any Ray started,
+    or that start a Ray of their own."""
+    from tests.helpers.ray_cluster import stop_shared_ray
+
+    stop_shared_ray()
+    yield
+    stop_shared_ray()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_ray_at_the_end():
+    yield
+    from tests.helpers.ray_cluster import stop_shared_ray
+
+    stop_shared_ray()

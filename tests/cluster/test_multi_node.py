@@ -23,6 +23,7 @@ from rlhf.driver.shared_dir import check_shared_run_dir
 from rlhf.errors import UserError
 from rlhf.local_cluster import LocalCluster, NodeSpec
 from tests.helpers.batches import make_rl_batch
+from tests.helpers.ray_cluster import stop_shared_ray
 from workers.group import NodeLostError, ResourceUnavailableError, WorkerGroup
 from workers.roles import PolicyWorker, fetch_state_dict
 from workers.rollout import EngineConfig, RolloutGroup, SyncConfig
@@ -41,6 +42,7 @@ def cluster(tmp_path_factory, tiny_model_factory):
     nodes = [NodeSpec("head", "127.0.0.10", 1), NodeSpec("a", "127.0.0.2", 2), NodeSpec("b", "127.0.0.3", 2)]
     if not ROOT_ONLY:
         nodes.append(NodeSpec("c", "127.0.0.4", 0, private_dirs=[str(shared / "unshared")]))
+    stop_shared_ray()  # this process joins the simulated cluster instead
     with LocalCluster(nodes, root) as c:
         c.connect(logging_level="ERROR", log_to_driver=False)
         try:

@@ -37,23 +37,11 @@ def train(out: Path, *extra: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def base_run(tmp_path_factory):
-    """The real 3-step run (checkpoints step-000001..3, latest -> step-000003), on this module's Ray."""
-    import ray
-
-    from rlhf.config.schema import TrainerConfig
-    from rlhf.driver.ray_env import init_ray
-
-    own = init_ray(TrainerConfig(output_dir=str(tmp_path_factory.mktemp("ray")), ray_num_cpus=2))
+def base_run(ray_session, tmp_path_factory):
+    """The real 3-step run (checkpoints step-000001..3, latest -> step-000003), on the shared Ray."""
     out = tmp_path_factory.mktemp("resume") / "base"
-    try:
-        assert train(out) == 0
-        yield out
-    finally:
-        if own is not None:
-            own.stop()
-        elif ray.is_initialized():
-            ray.shutdown()
+    assert train(out) == 0
+    return out
 
 
 @pytest.fixture

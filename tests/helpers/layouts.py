@@ -1,4 +1,4 @@
-"""Worker groups of several layouts on one local Ray (the layout runner), and their weights to compare."""
+"""Worker groups of several layouts on the shared Ray (the layout runner), and their weights to compare."""
 
 from __future__ import annotations
 
@@ -9,25 +9,25 @@ from typing import Any
 
 
 @contextlib.contextmanager
-def ray_groups(num_cpus: int = 4) -> Iterator[dict[Any, Any]]:
-    """Start a local Ray (`num_cpus`, no dashboard, errors only) and give a dict for the worker groups started on
-    it; on the way out every group in the dict is shut down, then Ray."""
-    import ray
+def ray_groups() -> Iterator[dict[Any, Any]]:
+    """The test process's shared Ray (tests/helpers/ray_cluster.py) and a dict for the worker groups started on
+    it; on the way out every group in the dict is shut down and every CPU must be free again."""
+    from tests.helpers.ray_cluster import assert_cluster_free, shared_ray
 
-    ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    shared_ray()
     groups: dict[Any, Any] = {}
     try:
         yield groups
     finally:
         for g in groups.values():
             g.shutdown()
-        ray.shutdown()
+    assert_cluster_free(f"the worker groups {', '.join(map(str, groups))}")
 
 
 def policy_groups(model_path: str, log_root: Any, layouts: dict[str, dict[str, Any]],
                   init_kwargs: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """Start Ray (4 CPUs), yield one PolicyWorker group per layout {name: WorkerGroup kwargs (tp, dp, cp,
-    ...) plus an optional "levers" dict of extra init kwargs}, then shut them and Ray down."""
+    """On the shared Ray, yield one PolicyWorker group per layout {name: WorkerGroup kwargs (tp, dp, cp, ...)
+    plus an optional "levers" dict of extra init kwargs}, then shut them down."""
     from workers.group import WorkerGroup
     from workers.roles import PolicyWorker
 

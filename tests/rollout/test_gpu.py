@@ -18,9 +18,11 @@ PROMPTS = ["hello world", [{"role": "user", "content": "What is 2+3?"}]]
 def env(tmp_path_factory, tiny_model_factory):
     import ray
 
+    from tests.helpers.ray_cluster import stop_shared_ray
     from workers.group import WorkerGroup
     from workers.roles.policy import PolicyWorker
 
+    stop_shared_ray()  # this module's Ray sees the GPU
     path = tiny_model_factory("tiny-qwen2")
     ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     policy = None

@@ -41,9 +41,8 @@ POLICY_CLS = PolicyWorker
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory, tiny_model_factory):
+def env(ray_session, tmp_path_factory, tiny_model_factory):
     path = tiny_model_factory("tiny-qwen2")
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     groups: dict[str, WorkerGroup] = {}
     rollout = None
     try:
@@ -67,7 +66,6 @@ def env(tmp_path_factory, tiny_model_factory):
             g.shutdown()
         if rollout is not None:
             rollout.shutdown()
-        ray.shutdown()
 
 
 def _train_batch(out):

@@ -1,5 +1,5 @@
 """Inputs for the stage tests: a tiny model, an indexed pretraining set, SFT jsonl files, preference pairs (the
-runs' overrides: tests/helpers/lm.py)."""
+runs' overrides: tests/helpers/lm.py; their Ray: the shared `ray_session`, tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -42,16 +42,3 @@ def pair_files(tiny_model_factory, tmp_path_factory) -> dict[str, str]:
         recs = [preference_record(a, b, rng) for a, b in pairs]
         (d / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     return {"model": tiny_model_factory("tiny-qwen2"), "train": str(d / "train.jsonl"), "val": str(d / "val.jsonl")}
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    """An embedded Ray for the module's runs (4 CPUs: a DP2 or PP2 group beside a reference group)."""
-    import ray
-
-    from rlhf.config.schema import TrainerConfig
-    from rlhf.driver.ray_env import init_ray
-
-    init_ray(TrainerConfig(ray_num_cpus=4))
-    yield
-    ray.shutdown()

@@ -211,7 +211,7 @@ def test_forged_converted_checkpoint_is_refused_by_every_command(converted, tmp_
     assert not marker.exists(), "the planted pickle was unpickled"
 
 
-def test_trainer_load_refuses_a_forged_manifest(lm_inputs, tmp_path):
+def test_trainer_load_refuses_a_forged_manifest(no_ray, lm_inputs, tmp_path):
     """trainer.load of a checkpoint whose manifest was recomputed: refused before Ray, nothing unpickled."""
     import ray
 
@@ -287,7 +287,7 @@ def test_edited_hf_config_is_one_line(converted, tmp_path, capsys):
     assert not (tmp_path / "hf-out").exists()
 
 
-def test_corrupt_index_under_trust_is_one_line(converted, lm_inputs, tmp_path):
+def test_corrupt_index_under_trust_is_one_line(no_ray, converted, lm_inputs, tmp_path):
     """A corrupt `.metadata` with --trust-checkpoint: convert, generate and eval name the folder and the file
     that could not be read (exit 2, one line), and so does trainer.load, before Ray starts."""
     import ray
@@ -334,7 +334,7 @@ def test_trust_command_signs_every_role_of_a_run(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and f"{roles[0] / 'link.pt'} is a link" in err, err
 
 
-def test_train_with_an_exposed_key_stops_before_ray(lm_inputs, tmp_path, monkeypatch, capsys):
+def test_train_with_an_exposed_key_stops_before_ray(no_ray, lm_inputs, tmp_path, monkeypatch, capsys):
     """A key file others can read fails `rlhf train` in one line before Ray starts, not at the first save."""
     import ray
 

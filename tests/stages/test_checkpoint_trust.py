@@ -88,7 +88,7 @@ def test_converted_checkpoint_trust(tiny_model_factory, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("how", ["load", "resume", "rl-resume"])
-def test_training_refuses_untrusted_checkpoint_before_workers(lm_inputs, tmp_path, how):
+def test_training_refuses_untrusted_checkpoint_before_workers(no_ray, lm_inputs, tmp_path, how):
     """SFT with trainer.load / --resume and GRPO with --resume (a run dir whose checkpoint was planted)."""
     import ray
 

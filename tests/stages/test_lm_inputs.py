@@ -11,6 +11,7 @@ from rlhf.config import load_config
 from rlhf.errors import ConfigError, UserError
 from tests.helpers.lm import lm_overrides
 
+pytestmark = pytest.mark.usefixtures("no_ray")  # each test proves bad input fails before any Ray starts
 
 def _run(inputs, algo, tmp_path, *extra):
     import ray

@@ -18,18 +18,6 @@ from tests.helpers.lm import lm_overrides
 LORA = ["policy.lora.rank=4", "policy.lora.alpha=8", "policy.optim.lr=1e-2", "trainer.export_hf=true"]
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    from rlhf.config.schema import TrainerConfig
-    from rlhf.driver.ray_env import init_ray
-
-    init_ray(TrainerConfig(ray_num_cpus=4))
-    yield
-    ray.shutdown()
-
-
 def weights(folder: str | Path) -> dict:
     return {k: v for f in sorted(Path(folder).glob("*.safetensors")) for k, v in load_file(str(f)).items()}
 

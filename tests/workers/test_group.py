@@ -81,6 +81,9 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
+    from tests.helpers.ray_cluster import stop_shared_ray
+
+    stop_shared_ray()  # this module's Ray has a dashboard: its state API is under test
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     info = ray.init(num_cpus=4, include_dashboard=True, dashboard_port=_free_port(), logging_level="ERROR",
                     log_to_driver=False)

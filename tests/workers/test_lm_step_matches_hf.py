@@ -4,7 +4,6 @@ same losses, grad norms and weights over several steps (fp32 on CPU)."""
 
 from __future__ import annotations
 
-import ray
 import torch
 
 from workers.batch import Batch
@@ -29,23 +28,21 @@ def sft_batch(rows: int = 12, width: int = 24, seed: int = 0, vocab: int = 400) 
     return Batch({"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": pos})
 
 
-def test_megatron_sft_steps_equal_hf_adamw(tiny_model_factory, tmp_path):
+def test_megatron_sft_steps_equal_hf_adamw(ray_session, tiny_model_factory, tmp_path):
     from transformers import AutoModelForCausalLM
 
     path = tiny_model_factory("tiny-qwen2")
     batch = sft_batch()
     optim = {"lr": LR, "min_lr": LR, "weight_decay": 0.0, "betas": (0.9, 0.999), "eps": 1e-8, "clip_grad": 1.0,
              "warmup_steps": 0, "lr_decay_style": "constant", "total_steps": 10}
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    group = WorkerGroup(role="policy", worker_cls=PolicyWorker, tp=1, num_cpus_per_worker=1, timeout_s=300,
+                        log_dir=tmp_path / "logs", init_kwargs={"model_path": path, "micro_batch_size": 4,
+                                                                "optim": optim})
     try:
-        group = WorkerGroup(role="policy", worker_cls=PolicyWorker, tp=1, num_cpus_per_worker=1, timeout_s=300,
-                            log_dir=tmp_path / "logs", init_kwargs={"model_path": path, "micro_batch_size": 4,
-                                                                    "optim": optim})
         ours = [group.train_lm_step(batch) for _ in range(STEPS)]
         weights = fetch_state_dict(group.state_dict_for_rollout())
-        group.shutdown()
     finally:
-        ray.shutdown()
+        group.shutdown()
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.train()

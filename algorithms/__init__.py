@@ -26,6 +26,7 @@ from .kl import (
     kl_estimate,
     make_kl_controller,
 )
+from .kto import kto_kl_baseline, kto_loss
 from .losses import entropy_from_logits, lm_loss, logprobs_from_logits, policy_loss, value_loss
 from .masked import masked_mean, masked_sum, masked_var, masked_whiten
 from .mismatch import logprob_mismatch, routing_disagreement, routing_disagreement_metrics
@@ -40,7 +41,15 @@ from .objectives import (
 )
 from .off_policy import IS_CORRECTIONS, rollout_correction
 from .overlong import overlong_keep, overlong_penalty
-from .preference import PREFERENCE_LOSSES, bradley_terry_loss, check_preference_loss, preference_loss
+from .preference import (
+    PREFERENCE_LOSSES,
+    REFERENCE_FREE_LOSSES,
+    bradley_terry_loss,
+    check_preference_loss,
+    log1mexp,
+    log_odds,
+    preference_loss,
+)
 from .presets import ALGORITHM_PRESETS, preset_mismatches
 from .rewards import (
     RewardFn,
@@ -76,6 +85,7 @@ __all__ = [
     "KL_CONTROLLERS",
     "KL_KINDS",
     "PREFERENCE_LOSSES",
+    "REFERENCE_FREE_LOSSES",
     "AdaptiveKLController",
     "FixedKLController",
     "IS_CORRECTIONS",
@@ -99,9 +109,13 @@ __all__ = [
     "global_normalizer",
     "grpo",
     "kl_estimate",
+    "kto_kl_baseline",
+    "kto_loss",
     "list_advantage_estimators",
     "list_rewards",
     "lm_loss",
+    "log1mexp",
+    "log_odds",
     "logprob_mismatch",
     "routing_disagreement",
     "routing_disagreement_metrics",

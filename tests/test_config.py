@@ -314,9 +314,13 @@ def test_agent_example_configs_load_and_fit_their_task(name, tiny_tokenizer):
     ("algorithm.dpo.nll_coef=-0.5", "algorithm.dpo.nll_coef: expected a number >= 0"),
     ("algorithm.dpo.beta=0", "algorithm.dpo.beta: expected a number > 0"),
     ("algorithm.dpo.label_smoothing=0.5", "algorithm.dpo.label_smoothing: expected a probability in [0, 0.5)"),
+    ("algorithm.dpo.orpo_lambda=-1", "algorithm.dpo.orpo_lambda: expected a number >= 0"),
+    ("algorithm.dpo.loss=orpo algorithm.dpo.label_smoothing=0.1", "algorithm.dpo.label_smoothing applies to the "
+     "sigmoid and simpo losses, not orpo"),
+    ("algorithm.dpo.loss=orpo algorithm.dpo.nll_coef=0.5", "algorithm.dpo.nll_coef: orpo already adds"),
 ])
 def test_dpo_settings_checked(override, words):
-    assert err(["algorithm.name=dpo", "data.task=arithmetic", override]).startswith(words)
+    assert err(["algorithm.name=dpo", "data.task=arithmetic", *override.split()]).startswith(words)
 
 
 def test_optimizer_cpu_offload_is_refused_without_cuda():

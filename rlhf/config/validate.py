@@ -22,6 +22,7 @@ from algorithms import (
     KL_CONTROLLERS,
     KL_KINDS,
     PREFERENCE_LOSSES,
+    REFERENCE_FREE_LOSSES,
     check_objective,
     list_advantage_estimators,
     list_objectives,
@@ -322,7 +323,7 @@ def validate_config(cfg: RunConfig) -> None:
     roles = ["policy"]
     if a.name in ("grpo", "ppo"):
         roles += [n for n in ("reference", "critic", "reward_model") if getattr(cfg, n).enabled]
-    elif a.name == "dpo" and a.dpo.reference == "group" and a.dpo.loss != "simpo":
+    elif a.name == "dpo" and a.dpo.reference == "group" and a.dpo.loss not in REFERENCE_FREE_LOSSES:
         roles.append("reference")
     for name in roles:
         _check_role(name, getattr(cfg, name), shape)
@@ -590,9 +591,14 @@ def _check_dpo(cfg: RunConfig) -> None:
     _require(math.isfinite(o.simpo_gamma), "algorithm.dpo.simpo_gamma", "a finite number", o.simpo_gamma)
     _require(math.isfinite(o.nll_coef) and o.nll_coef >= 0, "algorithm.dpo.nll_coef",
              "a number >= 0 (the weight of the chosen answer's NLL)", o.nll_coef)
-    if o.label_smoothing and o.loss == "ipo":
-        raise ConfigError("algorithm.dpo.label_smoothing applies to the sigmoid and simpo losses, not ipo; "
+    _require(math.isfinite(o.orpo_lambda) and o.orpo_lambda >= 0, "algorithm.dpo.orpo_lambda",
+             "a number >= 0 (the weight of orpo's odds-ratio term)", o.orpo_lambda)
+    if o.label_smoothing and o.loss in ("ipo", "orpo"):
+        raise ConfigError(f"algorithm.dpo.label_smoothing applies to the sigmoid and simpo losses, not {o.loss}; "
                           "set it to 0")
+    if o.nll_coef and o.loss == "orpo":
+        raise ConfigError("algorithm.dpo.nll_coef: orpo already adds the chosen answer's NLL (weight 1, the odds-ratio "
+                          "term weighted by algorithm.dpo.orpo_lambda); set nll_coef to 0")
 
 
 # ---- SFT / pretraining stage (config-only checks; the files are checked by rlhf.driver.lm_data) ----------

@@ -1,9 +1,9 @@
-"""The DPO runner: `run_dpo(cfg)` for `algorithm.name: dpo` (losses sigmoid | ipo | simpo, `algorithm.dpo`).
+"""The DPO runner: `run_dpo(cfg)` for `algorithm.name: dpo` (losses sigmoid | ipo | simpo | orpo, `algorithm.dpo`).
 
 The policy is the SFT stage's worker group fed preference pairs (`rlhf.driver.pairs`: data, run loop,
 metrics); each micro-batch of m pairs is one forward of 2m sequences.
 
-Reference log-probs (SimPO needs none), `algorithm.dpo.reference`:
+Reference log-probs (the reference-free SimPO and ORPO need none: no pass, no group), `algorithm.dpo.reference`:
 - `precompute`: before the first step the starting policy (after `trainer.load`) computes every train and
   validation pair's summed answer log-probs in a forward-only pass; they are saved in the run dir
   (`reference_logps.safetensors`, keyed by the data files, the model and seq_length) and read back on
@@ -14,8 +14,9 @@ Reference log-probs (SimPO needs none), `algorithm.dpo.reference`:
 Both give the same numbers.
 
 Metrics (train, and `val/` on the held-out pairs): loss, rewards/{chosen,rejected,margin,accuracy},
-logps/{chosen,rejected} and greedy_accuracy, the fraction of pairs whose chosen answer greedy decoding
-would produce (`workers.roles.preference`).
+logps/{chosen,rejected}, nll/chosen and greedy_accuracy, the fraction of pairs whose chosen answer greedy
+decoding would produce (`workers.roles.preference`); ORPO adds orpo/or_loss, its odds-ratio term (its rewards
+are the answers' log odds).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 
+from algorithms import REFERENCE_FREE_LOSSES
 from rlhf.config import RunConfig
 from rlhf.driver.lm import global_batch_size, resolve_checkpoint, run_stage
 from rlhf.driver.pairs import PairData, PairRun, build_pair_data
@@ -38,7 +40,8 @@ from workers.roles.loss_config import PreferenceLossConfig
 
 REF_FILE = "reference_logps.safetensors"
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "logps/chosen",
-           "logps/rejected", "greedy_accuracy")
+           "logps/rejected", "nll/chosen", "greedy_accuracy")
+LOSS_METRICS = {"orpo": ("orpo/or_loss",)}  # what a loss logs beyond METRICS
 
 
 def _file_digest(path: str | None) -> str:
@@ -111,6 +114,10 @@ class DPORun(PairRun):
     METRICS = METRICS
     ref_group: Any = None
 
+    def __init__(self, cfg: RunConfig, data: PairData, group: Any, frame: Any) -> None:
+        super().__init__(cfg, data, group, frame)
+        self.METRICS = METRICS + LOSS_METRICS.get(cfg.algorithm.dpo.loss, ())
+
     def _loss_config(self) -> PreferenceLossConfig:
         return build(PreferenceLossConfig, self.cfg.algorithm.dpo)
 
@@ -130,7 +137,7 @@ class DPORun(PairRun):
 
     def start(self) -> None:
         o, out = self.cfg.algorithm.dpo, self.frame.out
-        if o.loss == "simpo":  # reference-free
+        if o.loss in REFERENCE_FREE_LOSSES:  # no reference pass, no reference group
             self.restore()
         elif o.reference == "group":
             self.ref_group = self.frame.own(reference_group(self.cfg, out))

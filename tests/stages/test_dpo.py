@@ -4,8 +4,9 @@ Run A: sigmoid DPO at TP1, 4 steps on the same 8 arithmetic pairs (correct vs wr
 held-out pairs, reference log-probs precomputed, a checkpoint at step 2. The reference log-probs must equal
 transformers' on the HF model, the first step's loss is exactly log 2 (policy = reference) and the loss
 falls. Then, 2 steps each: TP2, DP2 and PP2 (the PP2 run with `reference: group`, a frozen reference worker
-group) give A's update; A resumed from its step-2 checkpoint gives A's steps 3 and 4; IPO and SimPO run end
-to end. (Learning on the arithmetic task is the `dpo_tiny` example's job, in `make examples`.)
+group) give A's update; A resumed from its step-2 checkpoint gives A's steps 3 and 4; IPO, SimPO and ORPO
+(reference-free: no reference pass or group) run end to end. (Learning on the arithmetic task is the
+`dpo_tiny` example's job, in `make examples`.)
 """
 
 from __future__ import annotations
@@ -128,6 +129,30 @@ def test_ipo_and_simpo_train_end_to_end(ray_session, pair_files, tmp_path, loss)
         assert not (out / "reference_logps.safetensors").exists()
         assert by[1]["rewards/margin"] != 0 and by[1]["rewards/chosen"] < 0
     assert by[2]["loss"] < by[1]["loss"] and math.isfinite(by[2]["grad_norm"]), (by[1], by[2])
+
+
+def test_orpo_trains_without_a_reference(ray_session, pair_files, tmp_path, monkeypatch):
+    """ORPO is reference-free: even with `reference: group` neither the reference pass nor the group starts
+    (both replaced here by functions that fail); the loss (chosen NLL + lambda x odds-ratio term) falls on the
+    same 8 pairs and the log-odds margin grows."""
+    import rlhf.driver.dpo as dpo
+
+    def no_reference(*_: object, **__: object) -> None:
+        raise AssertionError("orpo started a reference")
+
+    monkeypatch.setattr(dpo, "reference_group", no_reference)
+    monkeypatch.setattr(dpo, "reference_logps", no_reference)
+    out = tmp_path / "orpo"
+    rows = run(pair_files, out, "algorithm.dpo.loss=orpo", "algorithm.dpo.orpo_lambda=1.0",
+               "algorithm.dpo.reference=group", "trainer.total_steps=3", "trainer.eval_iters=0")
+    by = {r["step"]: r for r in rows}
+    assert not (out / "reference_logps.safetensors").exists() and "time/reference" not in by[1]
+    first, last = by[1], by[3]
+    assert first["rewards/chosen"] < 0 and first["orpo/or_loss"] > 0  # log odds of p < 1/2; -log sigmoid > 0
+    assert first["loss"] == pytest.approx(first["nll/chosen"] + first["orpo/or_loss"], rel=1e-5)
+    assert last["loss"] < by[2]["loss"] < first["loss"], (first, by[2], last)
+    assert last["rewards/margin"] > first["rewards/margin"] and last["orpo/or_loss"] < first["orpo/or_loss"]
+    assert math.isfinite(last["grad_norm"]), last
 
 
 @pytest.mark.parametrize("record,message", [

@@ -68,10 +68,14 @@ class PPOLossConfig(UpdateConfig):
 class PreferenceLossConfig:
     """The offline preference loss of the DPO step (`algorithms.preference_loss`)."""
 
-    loss: str = "sigmoid"  # algorithms.PREFERENCE_LOSSES: sigmoid | ipo | simpo (reference-free)
+    # algorithms.PREFERENCE_LOSSES: sigmoid | ipo | simpo, orpo (these two reference-free)
+    loss: str = "sigmoid"
     beta: float = 0.1  # sigmoid: the KL strength; ipo: its tau; simpo: the reward scale (2.0-2.5 in the paper)
     label_smoothing: float = 0.0  # sigmoid / simpo: probability that a pair's label is flipped (conservative DPO)
     simpo_gamma: float = 0.5  # simpo: the target reward margin
     # > 0: each pair's loss also gets nll_coef x the chosen answer's mean token NLL (RPO; OpenRLHF's
     # nll_loss_coef, TRL's rpo_alpha), which keeps the chosen answer likely while the margin grows
     nll_coef: float = 0.0
+    # orpo: the weight of the odds-ratio term next to the chosen answer's mean token NLL (the paper's lambda;
+    # 0.1 there and TRL's default, which calls it beta)
+    orpo_lambda: float = 0.1

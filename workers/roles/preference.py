@@ -83,7 +83,7 @@ class PairLogpsMixin(MegatronWorker):
 
 
 class PreferenceMixin(PairLogpsMixin):
-    """DPO / IPO / SimPO steps on preference batches (the policy)."""
+    """DPO / IPO / SimPO / ORPO steps on preference batches (the policy)."""
 
     @register(DP_COMPUTE, pad=False)
     def train_preference_step(self, batch: Batch, loss_config: dict[str, Any] | PreferenceLossConfig | None = None,
@@ -118,7 +118,7 @@ class PreferenceMixin(PairLogpsMixin):
             ref_c, ref_r = mb.fields["ref_logps"].chunk(2) if "ref_logps" in mb.fields else (None, None)
             losses, metrics = preference_loss(c, r, ref_c, ref_r, n_c, n_r, loss=cfg.loss, beta=cfg.beta,
                                               label_smoothing=cfg.label_smoothing, simpo_gamma=cfg.simpo_gamma,
-                                              nll_coef=cfg.nll_coef)
+                                              nll_coef=cfg.nll_coef, orpo_lambda=cfg.orpo_lambda)
             n = n_pairs.to(losses.device)
             loss = losses.sum() / n
             acc.add_sum({"loss": loss.detach(), "pairs": float(losses.numel()), "greedy_accuracy": greedy.sum() / n,

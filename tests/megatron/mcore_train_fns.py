@@ -178,10 +178,17 @@ def bf16_checkpoint_round_trip(model_dir: str, ckpt: str) -> dict:
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())).to(p.dtype))
     a.optimizer.reload_model_params()  # the fp32 master copies follow the weights
     a.save_checkpoint(ckpt)
+    import multiprocessing
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    results_queue = type(filesystem_async._results_queue)
+    left = [p.name for p in multiprocessing.active_children()]  # the save's writers are gone, no manager runs
     b = engine()
     b.load_checkpoint(ckpt)
     pa, pb = dict(a.module.named_parameters()), dict(b.module.named_parameters())
-    return {"dtypes": sorted({str(p.dtype) for p in pb.values()}),
+    return {"results_queue": f"{results_queue.__module__}.{results_queue.__name__}", "children": left,
+            "dtypes": sorted({str(p.dtype) for p in pb.values()}),
             "weight_diff": max((pa[k].float() - pb[k].float()).abs().max().item() for k in pa),
             "master_diff": max((x - y).abs().max().item() for x, y in zip(masters(a), masters(b), strict=True))}
 

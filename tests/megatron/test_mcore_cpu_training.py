@@ -47,6 +47,9 @@ def test_bf16_engine_checkpoint_round_trip(tiny_model_factory, tmp_path):
     out = run_distributed(bf16_checkpoint_round_trip, 1, args=(tiny_model_factory("tiny-qwen3"), str(tmp_path / "ck")))[0]
     assert out["dtypes"] == ["torch.bfloat16"]
     assert out["weight_diff"] == 0 and out["master_diff"] == 0, out
+    # the synchronous save passed its results through an in-process queue: no spawned Manager process
+    # (cpu_compat._in_process_save_results; it cost a fresh interpreter, seconds, at each rank's first save)
+    assert out["results_queue"] == "queue.Queue" and out["children"] == [], out
 
 
 def test_checkpoint_before_the_first_optimizer_step_resumes(tiny_model_factory, tmp_path):

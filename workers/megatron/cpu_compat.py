@@ -14,7 +14,8 @@ Scope, in two parts:
     originals seed the CUDA generator and warn whenever the CPU one moves inside a fork).
   - Also without Transformer Engine (CPU or GPU): `moe_utils.te_general_gemm` bound to None, and
     `multi_latent_attention.HAVE_TE` set False (see `_define_te_general_gemm`, `_mla_without_te`).
-  - On any device: the expert-bias token count with a padding mask (`_fix_expert_bias_padding`).
+  - On any device: the expert-bias token count with a padding mask (`_fix_expert_bias_padding`), and an
+    in-process queue for a synchronous checkpoint save's results (`_in_process_save_results`).
 - Per block of code: `cpu_device_mode()`, a TorchFunctionMode entered for the duration of a `with`
   (TorchFunctionModes are thread-local). The Megatron workers enter it around every actor method
   (`MegatronWorker.call_context`), `workers.megatron.launch` around each spawned rank's work.
@@ -214,6 +215,21 @@ def _fix_expert_bias_padding() -> None:
     TopKRouter._apply_expert_bias = _apply_expert_bias  # type: ignore[method-assign]
 
 
+def _in_process_save_results() -> None:
+    """megatron-core 0.16.1's `filesystem_async._get_write_results_queue` starts a `spawn` multiprocessing
+    Manager the first time a process saves a checkpoint, so that an asynchronous save's writer process can pass
+    its results back. Every save here is synchronous (`dist_checkpointing.save`: the write plan runs in the
+    saving process, which then reads the results itself), so the queue never leaves the process; the spawned
+    manager cost a fresh interpreter: 3.5 of the 3.9 s of a tiny model's first save on 2 cores, in every rank.
+    An in-process queue takes its place (on any device). An asynchronous save would need the original."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def apply_cpu_compat() -> bool:
     """Apply the process-wide patches when CUDA is absent, once; True when they are active."""
     global _applied
@@ -221,6 +237,7 @@ def apply_cpu_compat() -> bool:
     _torch_norm_sequence_parallel()
     _mla_without_te()
     _fix_expert_bias_padding()
+    _in_process_save_results()
     if not cuda_absent():
         return False
     with _apply_lock:

@@ -154,8 +154,9 @@ def dashboard_hint(url: str, temp_dir: Path, output_dir: str | Path) -> str:
             f"TensorBoard (`tensorboard --logdir {output_dir}`) and {output_dir}/report.png")
 
 
-def init_ray(trainer: TrainerConfig) -> EmbeddedRay | None:
-    """Initialise Ray if needed; return the embedded instance when this process started one."""
+def init_ray(trainer: TrainerConfig, log_to_driver: bool = True) -> EmbeddedRay | None:
+    """Initialise Ray if needed; return the embedded instance when this process started one. `log_to_driver`:
+    the workers' output is echoed here too (it is in the run's logs/ either way)."""
     import ray
 
     if ray.is_initialized():
@@ -163,7 +164,7 @@ def init_ray(trainer: TrainerConfig) -> EmbeddedRay | None:
     address = trainer.ray_address or os.environ.get("RAY_ADDRESS")
     env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}}
     if address:
-        ray.init(address=address, runtime_env=env, log_to_driver=True)
+        ray.init(address=address, runtime_env=env, log_to_driver=log_to_driver)
         return None
     from workers.rollout.cpu.shm_file import remove_stale_files
 
@@ -178,7 +179,7 @@ def init_ray(trainer: TrainerConfig) -> EmbeddedRay | None:
     try:
         ctx = ray.init(num_cpus=num_cpus, include_dashboard=trainer.dashboard, dashboard_host="127.0.0.1",
                        _node_ip_address="127.0.0.1", _temp_dir=str(temp_dir), runtime_env=env,
-                       log_to_driver=True, configure_logging=False)
+                       log_to_driver=log_to_driver, configure_logging=False)
         node_ip = ray.util.get_node_ip_address()
         if not str(node_ip).startswith("127."):
             raise RuntimeError(f"the embedded Ray took the node address {node_ip}, not 127.0.0.1; refusing to "

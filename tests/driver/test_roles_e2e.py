@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import yaml
 
-from tests.helpers.cli import FAST, rlhf
+from tests.helpers.cli import FAST
+from tests.helpers.cli import rlhf_in_process as rlhf
 from tests.helpers.runs import metrics
+
+pytestmark = pytest.mark.usefixtures("ray_session")  # the runs go through the CLI's main on the shared Ray
 
 QUICK = [*FAST, "trainer.total_steps=2", "trainer.val_every=0", "data.val_size=4", "trainer.export_hf=false"]
 

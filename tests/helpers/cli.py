@@ -32,3 +32,32 @@ def python(*args: str, timeout: int = 600, path: Path | str | None = None, **kwa
 def rlhf(*args: str, timeout: int = 600, path: Path | str | None = None) -> subprocess.CompletedProcess:
     """`rlhf ARGS` in a subprocess; `path` goes on its PYTHONPATH (for a module:function reward)."""
     return python("-m", "rlhf", *args, timeout=timeout, path=path)
+
+
+def rlhf_in_process(*args: str, path: Path | str | None = None) -> subprocess.CompletedProcess:
+    """`rlhf ARGS` through the CLI's own main in this process, on the shared Ray (the test asks for
+    `ray_session`): no interpreter, import or Ray start-up. For runs whose subject is what the run does, not the
+    CLI process itself (its signals, its exit on a crash: those run `rlhf`). Its exit code and output come back
+    as `rlhf` gives them; `path` is first on sys.path while it runs (a module:function reward of the test's own;
+    the reward processes get the driver's sys.path), and what was imported from there is forgotten after."""
+    import contextlib
+    import importlib
+    import io
+
+    from rlhf.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    extra = str(Path(path).resolve()) if path is not None else None
+    if extra:
+        sys.path.insert(0, extra)
+        importlib.invalidate_caches()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        if extra:
+            sys.path.remove(extra)
+            for name, module in list(sys.modules.items()):
+                if str(getattr(module, "__file__", None) or "").startswith(extra + os.sep):
+                    del sys.modules[name]
+    return subprocess.CompletedProcess(["rlhf", *args], code, out.getvalue(), err.getvalue())

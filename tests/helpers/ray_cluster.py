@@ -28,7 +28,9 @@ def shared_ray() -> None:
     from rlhf.driver.ray_env import init_ray
 
     root = tempfile.mkdtemp(prefix="rlhf-test-ray-")
-    _state["own"] = init_ray(TrainerConfig(output_dir=root, ray_num_cpus=NUM_CPUS))
+    # the workers' output stays in their log files: echoed here, a late line of one test's actor would land in
+    # the output the next test reads
+    _state["own"] = init_ray(TrainerConfig(output_dir=root, ray_num_cpus=NUM_CPUS), log_to_driver=False)
 
 
 def stop_shared_ray() -> None:

@@ -10,8 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers.cli import rlhf
+from tests.helpers.cli import rlhf_in_process as rlhf
 from tests.helpers.runs import metrics
+
+pytestmark = pytest.mark.usefixtures("ray_session")  # the runs go through the CLI's main on the shared Ray
 
 
 @pytest.mark.parametrize("freeze_vision", [False, True])

@@ -17,8 +17,14 @@ import math
 import pytest
 import torch
 
-from tests.helpers.batches import lm_batch, make_rl_batch, micro_counts
-from tests.helpers.layouts import max_diff, ray_groups, weights
+from tests.helpers.batches import lm_batch
+from tests.helpers.layouts import (
+    assert_same_lm_step,
+    assert_uneven_micro_batches_match,
+    max_diff,
+    ray_groups,
+    weights,
+)
 from workers.group import WorkerGroup
 from workers.roles import PolicyWorker
 
@@ -78,24 +84,11 @@ def test_checkpoint_saved_at_ep2_resumes_at_ep1(env, tmp_path):
     meta = env[1].load_checkpoint(ckpt)
     assert meta["layout"]["ep"] == 2
     assert max_diff(biases(weights(env[1])), saved) == 0  # the biases came back with the checkpoint
-    nxt = lm_batch(3)
-    a, b = env[2].train_lm_step(nxt), env[1].train_lm_step(nxt)
-    for key in ("loss", "grad_norm", "moe/aux_loss"):
-        assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
-    assert max_diff(weights(env[1]), weights(env[2])) <= 1e-5  # the optimizer state resumed too
+    assert_same_lm_step(env[2], env[1], lm_batch(3))
 
 
 def test_uneven_micro_batch_counts_at_ep2_equal_ep1(env):
     """Packed RL batches give the DP ranks different numbers of micro-batches; at EP=2 the rank with fewer
-    runs fillers to keep the EP group's token dispatch in step. Log-probs and a PPO update still equal EP=1's."""
-    rl = make_rl_batch(n=5, seed=4)
-    assert micro_counts(rl) == [3, 2]  # MLA takes explicit positions, so prefix sharing is on
-    lp = {ep: g.compute_logprobs(rl, micro_batch_size=1)["logprobs"] for ep, g in env.items()}
-    assert (lp[2] - lp[1]).abs().max() <= 1e-5
-    batch = make_rl_batch(n=8, seed=0)
-    assert micro_counts(batch) == [4, 3]
-    batch["old_logprobs"] = env[1].compute_logprobs(batch)["logprobs"]
-    out = {ep: g.train_step(batch, {"clip_low": 0.2, "clip_high": 0.28}, micro_batch_size=1) for ep, g in env.items()}
-    for key in ("loss", "grad_norm", "moe/aux_loss", "moe/z_loss", "moe/load_imbalance"):
-        assert out[2][key] == pytest.approx(out[1][key], rel=1e-5, abs=1e-7), key
-    assert max_diff(weights(env[2]), weights(env[1])) <= 1e-5
+    runs fillers to keep the EP group's token dispatch in step. Log-probs and a PPO update still equal EP=1's
+    (MLA takes explicit positions, so prefix sharing is on)."""
+    assert_uneven_micro_batches_match(env[1], env[2])

@@ -218,3 +218,18 @@ def never_stepped_checkpoint_round_trip(model_dir: str, ckpt: str) -> dict:
     wa, wb = step(a), step(b)
     return {"steps": loaded_steps, "weight_diff": max((wa[k] - wb[k]).abs().max().item() for k in wa),
             "moved": max((wa[k] - v).abs().max().item() for k, v in engine().module.named_parameters())}
+
+
+def launch_probe(name: str) -> dict:
+    """What a launched rank sees: its parent (the fork server), the variable `name` of its environment, and
+    whether the preload module is in memory (only the fork server imports it)."""
+    import os
+    import sys
+
+    return {"ppid": os.getppid(), "value": os.environ.get(name),
+            "preloaded": "workers.megatron.rank_preload" in sys.modules,
+            "rank": __import__("torch").distributed.get_rank()}
+
+
+def launch_fails(message: str) -> None:
+    raise ValueError(message)

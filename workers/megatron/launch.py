@@ -4,7 +4,13 @@ Used by the offline converter (`rlhf convert`), tests and benchmarks: `run_distr
 tp=, pp=, ep=, cp=)` spawns processes on 127.0.0.1 with a free port, calls `fn(*args)` on every rank after
 `init_distributed` (inside the CPU device mode on CPU), and returns the per-rank results (index = global
 rank). `fn` must be importable (module level), and the calling script needs an `if __name__ ==
-"__main__":` guard (spawn start method).
+"__main__":` guard.
+
+The ranks are forked from a fork server (multiprocessing's `forkserver`), started once per calling process with
+torch, megatron-core and transformers imported (workers/megatron/rank_preload.py): a rank starts in a fraction
+of a second instead of importing them again. The server holds no threads and no process group; each rank gets
+the caller's environment as it is at the call (the server's is from its start) and sys.path as a spawned
+process would.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from typing import Any
 
 from workers.files import FileProblem
 from workers.net import LOOPBACK, free_port
+
+PRELOAD = "workers.megatron.rank_preload"
 
 
 class DistributedError(RuntimeError):
@@ -36,8 +44,11 @@ def _worker(
     fn: Callable,
     args: tuple,
     results: Any,
+    env: dict[str, str],
 ) -> None:
     try:
+        os.environ.clear()
+        os.environ.update(env)
         import torch
 
         torch.set_num_threads(threads)
@@ -82,12 +93,15 @@ def run_distributed(
     """
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([PRELOAD])  # read when the server starts: the first call in this process
     results = ctx.Queue()
     port = free_port()
     threads = threads or max(1, (os.cpu_count() or 1) // world_size)
+    env = dict(os.environ)
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, tp, pp, ep, cp, threads, fn, args, results), daemon=False)
+        ctx.Process(target=_worker, args=(r, world_size, port, tp, pp, ep, cp, threads, fn, args, results, env),
+                    daemon=False)
         for r in range(world_size)
     ]
     for p in procs:

@@ -25,8 +25,8 @@ run: install
 	$(BIN)/python examples/pipeline_tiny/run.py --out runs/pipeline_tiny
 
 # `make test`: every test not marked `slow` (the CI command; it must stay within its time budget on 2 cores).
-# `make test-slow`: the `slow` ones (whole-pipeline and kill-and-resume runs, `ray job submit`, the MoE/MLA
-# conversion layouts, exact planner bytes, extra DPO layouts); `make test-all`: both.
+# `make test-slow`: the `slow` ones (whole-pipeline and kill-and-resume runs, `ray job submit`, a fourth family
+# end to end, extra DPO layouts); `make test-all`: both.
 # The junit report keeps each test's duration: `make durations` sums them per file.
 test: install
 	$(BIN)/python -m pytest -q -rs -m "not slow" --junitxml=runs/test-report.xml

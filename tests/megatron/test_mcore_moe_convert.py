@@ -65,7 +65,7 @@ LAYOUTS = [
     pytest.param(1, 1, 2, EP, id="ep2"),
     pytest.param(1, 2, 1, FAMILIES, id="pp2"),
     pytest.param(2, 1, 1, DEEPSEEK, id="tp2"),  # MLA's column-parallel down projections and heads
-    pytest.param(2, 1, 2, EP, id="tp2xep2", marks=pytest.mark.slow),
+    pytest.param(2, 1, 2, EP, id="tp2xep2"),
 ]
 
 
@@ -115,8 +115,8 @@ def test_routing_is_unambiguous_and_equal(models, preset):
     [
         pytest.param("tiny-qwen2-moe", ["--ep", "2"], [], id="qwen2_moe-ep2-to-ep1"),
         pytest.param("tiny-deepseek-v3", ["--ep", "2"], [], id="deepseek_v3-ep2-to-ep1"),
-        pytest.param("tiny-qwen3-moe", [], ["--ep", "2"], id="qwen3_moe-ep1-to-ep2", marks=pytest.mark.slow),
-        pytest.param("tiny-qwen3", ["--tp", "2"], [], id="qwen3-tp2-to-tp1", marks=pytest.mark.slow),
+        pytest.param("tiny-qwen3-moe", [], ["--ep", "2"], id="qwen3_moe-ep1-to-ep2"),
+        pytest.param("tiny-qwen3", ["--tp", "2"], [], id="qwen3-tp2-to-tp1"),
     ],
 )
 def test_round_trip_bit_exact(models, tmp_path, preset, conv, export):

@@ -21,7 +21,7 @@ def dirs(tiny_model_factory) -> list[str]:
     return [tiny_model_factory(p) for p in PRESETS]
 
 
-@pytest.mark.parametrize("tp,pp,dp", [pytest.param(2, 1, 2, marks=pytest.mark.slow), (1, 2, 1)])
+@pytest.mark.parametrize("tp,pp,dp", [(2, 1, 2), (1, 2, 1)])
 def test_state_bytes_exact(dirs, tp, pp, dp):
     dist_opt = dp > 1
     # The engine cannot build an MoE model with PP > 1 on CPU (its alltoall dispatcher needs a CUDA stream).

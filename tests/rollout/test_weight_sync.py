@@ -9,9 +9,11 @@ sync (verified), train one step, show the engine is stale, sync, show it matches
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -301,6 +303,9 @@ def test_shm_direct_load_of_an_untied_model_without_bias(env, tiny_model_factory
         assert _max_diff(policy, rollout.generate(PROMPTS, SAMPLING)) > 1e-2
         stats = rollout.sync_weights(policy, cfg, verify=True)
         assert stats["sync/verify_max_abs_diff"] <= 1e-3 and stats["sync/direct_load"] == 1.0
+        # every engine tensor digested: embedding, 6 per layer (qkv, o, gate_up, down, 2 norms), norm, untied head
+        layers = json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"]
+        assert stats["sync/digest_tensors"] == 3 + 6 * layers and stats["sync/digest_skipped"] == 0
         assert _max_diff(policy, rollout.generate(PROMPTS, SAMPLING)) <= 1e-3
     finally:
         if policy is not None:
@@ -377,6 +382,7 @@ def test_expert_parallel_policy_syncs_every_expert(env, by_value, tiny_model_fac
             assert _same_length_diff(policy, rollout, rollout.generate(PROMPTS, SAMPLING)) > 1e-2  # stale engine
             stats = rollout.sync_weights(policy, cfg, verify=True)
             assert stats["sync/verify_max_abs_diff"] <= 1e-3
+            assert stats["sync/digest_tensors"] > 0 and stats["sync/digest_skipped"] > 0  # the fused experts are not
             assert _same_length_diff(policy, rollout, rollout.generate(PROMPTS, SAMPLING)) <= 1e-3
     finally:
         if policy is not None:
@@ -420,7 +426,8 @@ def test_deepseek_engine_matches_transformers_and_syncs_after_a_train_step(env, 
             assert _max_diff(policy, out) <= 1e-3
             assert policy.train_step(_train_batch(out))["grad_norm"] > 0
             assert _max_diff(policy, rollout.generate(PROMPTS, SAMPLING)) > 1e-2  # stale
-            assert rollout.sync_weights(policy, cfg, verify=True)["sync/verify_max_abs_diff"] <= 1e-3
+            stats = rollout.sync_weights(policy, cfg, verify=True)
+            assert stats["sync/verify_max_abs_diff"] <= 1e-3 and stats["sync/digest_tensors"] > 0
             assert _max_diff(policy, rollout.generate(PROMPTS, SAMPLING)) <= 1e-3
     finally:
         if policy is not None:

@@ -103,6 +103,9 @@ class SyncOptions:
     zero_copy_weights: bool = False
     verify_first_sync: bool = True  # compare engine and policy logprobs after the first sync
     verify_every_sync: bool = False
+    # every sync: the engines' digest of each tensor as they hold it must match the policy's of what it sent
+    # (workers/rollout/digest.py); a mismatch fails the sync naming the parameter, the engine and the index
+    verify_digest: bool = True
     verify_tolerance: float = 1e-3  # max |engine - policy| logprob for float32 engines
     # with policy.lora: send only the adapters (a PEFT folder, a few MB) into vLLM's own LoRA support instead of
     # the merged weights; the engines then run the base model plus the adapter (slower per token on CPU)

@@ -14,6 +14,7 @@ import torch
 from workers.batch import Batch
 from workers.rollout.config import SyncConfig
 from workers.rollout.cpu.shm import ShmTransport, one_host_nodes
+from workers.rollout.digest import HeldDigests, Sent, compare
 from workers.rollout.registry import choose_transport
 from workers.rollout.transport import SyncSession, Transport, WeightSyncError, is_timeout, sync_error
 
@@ -55,7 +56,8 @@ class WeightSyncer:
         fields = dict(sync_id=next(_IDS), transport=type(self.transport), host=host, port=port,
                       num_receivers=self.rollout.num_engines, source_ranks=list(self.source_ranks),
                       channel=self.channel, bucket_bytes=int(self.cfg.sync_bucket_mb * (1 << 20)),
-                      dtype=self.rollout.dtype, timeout_s=self.cfg.timeout_s, secret=self.secret)
+                      dtype=self.rollout.dtype, timeout_s=self.cfg.timeout_s, secret=self.secret,
+                      digest=self.cfg.verify_digest)
         return SyncSession(**{**fields, **self.transport.session_fields(self), **overrides})
 
     def sync(self, verify: bool | None = None, **session_overrides: Any) -> dict[str, Any]:
@@ -100,6 +102,8 @@ class WeightSyncer:
         if any("buckets" in s for s in src):  # bucketed transports (shm moves one file, no buckets)
             stats["sync/buckets"] = float(sum(s["buckets"] for s in src))
             stats["sync/max_bucket_mb"] = max(s["max_bucket_bytes"] for s in src) / (1 << 20)
+        if session.digest:
+            stats.update(check_digests(src, recv))
         return self._finish(stats, verify)
 
     def _finish(self, stats: dict[str, Any], verify: bool | None) -> dict[str, Any]:
@@ -157,6 +161,31 @@ class WeightSyncer:
                 f"compute_logprobs by up to {diff:.3g} (tolerance {tol:g}, engine dtype {self.rollout.dtype}, "
                 f"policy dtype {self.cfg.policy_dtype}) on {len(seqs)} fixed sequences after sync {self.num_syncs}")
         return diff
+
+
+def check_digests(sent: list[dict[str, Any]], recv: list[dict[str, Any]]) -> dict[str, float]:
+    """Compare the engines' digests of what they hold with the senders' (digest.py); raises
+    DigestMismatchError naming the parameter, the engine and the first differing index. Returns the stats:
+    tensors compared, engine parameters not digested, and the digests' time (the slowest sender's plus the
+    slowest engine's, as if they ran one after the other)."""
+    digests: dict[str, Sent] = {}
+    names: dict[str, str] = {}
+    for s in sent:
+        digests.update(s.pop("digests", {}))
+        names.update(s.pop("policy_names", {}))
+    held: list[HeldDigests] = [r.pop("digests") for r in recv if "digests" in r]
+    t = time.perf_counter()
+    n = compare(digests, held, names)
+    send_s = max((s.get("digest_s", 0.0) for s in sent), default=0.0)
+    engine_s = max((h.time_s for h in held), default=0.0)
+    skipped = {x for h in held for x in h.skipped}
+    compared = {x.engine_name for h in held for x in h.held if all(name in digests for name in x.hf_names)}
+    uncompared = {x.engine_name for h in held for x in h.held} - compared
+    if skipped or uncompared:
+        log.debug("weight sync digest: not compared: %s", ", ".join(sorted(skipped | uncompared)))
+    return {"sync/digest_s": send_s + engine_s + time.perf_counter() - t, "sync/digest_send_s": send_s,
+            "sync/digest_engine_s": engine_s, "sync/digest_tensors": float(n),
+            "sync/digest_skipped": float(len(skipped | uncompared))}
 
 
 def compare_logprobs(policy_group: Any, rollout: Any, seqs: list[list[int]], prompt_len: int = 4) -> float:

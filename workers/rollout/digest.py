@@ -56,10 +56,11 @@ def digest(t: torch.Tensor) -> torch.Tensor:
     t = rows_of(t.detach())
     if t.dim() == 1:
         return t.to("cpu", torch.float32, copy=True).reshape(-1, 1)  # a copy: `t` may be a reused buffer
-    p = probe(t.shape[1], t.dtype).to(t.device)
+    pt = probe(t.shape[1], t.dtype).t().contiguous().to(t.device)  # (2, K): `linear` reads `t` once, 2x `t @ p`
     if t.dtype == torch.float32:
-        return (t @ p).cpu()
-    return torch.cat([t[i:i + _ROWS].float() @ p for i in range(0, t.shape[0], _ROWS)]).cpu()
+        return torch.nn.functional.linear(pt, t).t().contiguous().cpu()
+    return torch.cat([torch.nn.functional.linear(pt, t[i:i + _ROWS].float()).t()
+                      for i in range(0, t.shape[0], _ROWS)]).contiguous().cpu()
 
 
 def row_scale(t: torch.Tensor) -> torch.Tensor:

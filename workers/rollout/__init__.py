@@ -14,8 +14,8 @@ _EXPORTS = {  # name -> module, imported on first use (workers/lazy.py)
     "RolloutWorker": "workers.rollout.worker",
     "SamplingConfig": "workers.rollout.sampling",
     "SyncConfig": "workers.rollout.config",
-    "WeightSyncError": "workers.rollout.transport",
-    "WeightSyncTimeout": "workers.rollout.transport",
+    "WeightSyncError": "workers.rollout.sync_errors",
+    "WeightSyncTimeout": "workers.rollout.sync_errors",
     "WeightSyncer": "workers.rollout.syncer",
     "choose_transport": "workers.rollout.registry",
 }

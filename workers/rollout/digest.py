@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from workers.rollout.transport import WeightSyncError
+from workers.rollout.sync_errors import WeightSyncError
 
 EXACT_RTOL = 1e-5  # plain tensors: same values, float32 sums in another order
 PROBE_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}  # the engine's GEMM, by its dtype

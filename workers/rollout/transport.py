@@ -17,19 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from workers.group.errors import WorkerGroupError, WorkerTimeoutError
 from workers.rollout.control import Channel, GroupFactory
+from workers.rollout.sync_errors import WeightSyncError, WeightSyncTimeout
 
 if TYPE_CHECKING:
     from workers.rollout.config import SyncConfig
-
-
-class WeightSyncError(WorkerGroupError):
-    """A weight sync failed; the message names the rollout and policy ranks involved."""
-
-
-class WeightSyncTimeout(WeightSyncError, WorkerTimeoutError):
-    """A weight sync transfer did not complete within its timeout."""
 
 
 def is_timeout(exc: BaseException) -> bool:

@@ -6,7 +6,8 @@ from a light reading of the code (no imports of it): `cfg.trainer` (a section's 
 one (`t = cfg.trainer`, `a, r = cfg.algorithm, cfg.rollout`), a parameter or variable annotated with the class
 (`sp: SamplingConfig`), a constructor or `build(Cls, ...)`, a call whose return annotation names the class,
 `self` in the class or a subclass of it (`EngineConfig` reading a field of `EngineOptions`), and `self.attr`
-assigned one of these. `f(**vars(section))` reads every field of the section. The config package itself (declaring and validating a field) is not a reader.
+assigned one of these. `vars(section)` (or `asdict`) hands every field of the section on, as in `f(**vars(section))`
+or a mapping of settings an objective takes its own from: it reads them all. The config package itself (declaring and validating a field) is not a reader.
 """
 
 from __future__ import annotations
@@ -173,10 +174,9 @@ class Code:
                     isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
                     and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)):
                 reads.append(node)
-            elif isinstance(node, ast.keyword) and node.arg is None and isinstance(node.value, ast.Call) \
-                    and isinstance(node.value.func, ast.Name) and node.value.func.id in ("vars", "asdict") \
-                    and len(node.value.args) == 1:
-                reads.append(node)  # f(**vars(section)): every field of the section is an argument
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("vars", "asdict") \
+                    and len(node.args) == 1:
+                reads.append(node)  # vars(section): every field of the section is handed on
             todo.extend(ast.iter_child_nodes(node))
 
     def _pass(self, record: bool) -> None:
@@ -209,9 +209,8 @@ class Code:
                 for node in reads:
                     if isinstance(node, ast.Attribute):
                         self.reads |= {(t, node.attr) for t in self.types(node.value, env)}
-                    elif isinstance(node, ast.keyword):
-                        self.reads |= {(t, f) for t in self.types(node.value.args[0], env)  # type: ignore[attr-defined]
-                                       for f in self.field_names.get(t, ())}
+                    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id != "getattr":
+                        self.reads |= {(t, f) for t in self.types(node.args[0], env) for f in self.field_names.get(t, ())}
                     else:
                         call: Any = node
                         self.reads |= {(t, str(call.args[1].value)) for t in self.types(call.args[0], env)}
@@ -245,9 +244,11 @@ def test_the_check_tells_sections_apart():
     code = Code({"a.py": "def f(cfg):\n    t = cfg.trainer\n    return t.seed, cfg.data.prompts_per_step\n",
                  "b.py": "class X:\n    def g(self, sp: SamplingConfig):\n        self.sp = build(SamplingConfig, sp)\n"
                          "    def h(self):\n        return self.sp.top_k, getattr(self.other, 'top_p')\n",
-                 "c.py": "def g(rc):\n    return Group(**vars(rc.resources))\n"}, sections)
+                 "c.py": "def g(rc):\n    return Group(**vars(rc.resources))\n",
+                 "d.py": "def h(cfg):\n    options = vars(cfg.reward)\n    return use(options)\n"}, sections)
     assert code.is_read("TrainerConfig", "seed") and code.is_read("DataConfig", "prompts_per_step")
     assert not code.is_read("DataConfig", "seed")  # data.seed: another section's field of the same name
     assert code.is_read("SamplingConfig", "top_k") and not code.is_read("SamplingConfig", "top_p")
     assert code.is_read("ResourceConfig", "num_threads")  # every field of a splatted section
+    assert code.is_read("RewardConfig", "memory_mb")  # and of a section handed on whole
     assert not code.is_read("TrainerConfig", "log_every")

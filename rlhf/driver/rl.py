@@ -101,6 +101,19 @@ def report_sandbox(cfg: RunConfig) -> str | None:
     return line
 
 
+def report_preset(cfg: RunConfig) -> str | None:
+    """The algorithm preset in force, printed at startup with the settings it stands for (the validator
+    checked that the config holds them)."""
+    name = cfg.algorithm.preset
+    if name is None:
+        return None
+    from algorithms.presets import ALGORITHM_PRESETS
+
+    line = f"algorithm preset {name}: " + ", ".join(f"{k}={v}" for k, v in ALGORITHM_PRESETS[name].items())
+    print(line, flush=True)
+    return line
+
+
 FRESH_START = ("start a new run from its policy weights: rlhf convert mcore-to-hf --mcore <checkpoint>/policy, "
                "then model.path=<that folder>")
 
@@ -116,6 +129,7 @@ def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
     loader = PromptLoader(train, d.prompts_per_step, seed=d.seed)
     evals = eval_tasks(cfg)
     report_sandbox(cfg)
+    report_preset(cfg)
     kl_ctrl = make_kl_controller(a.kl_ctrl, a.kl_coef, target=a.kl_target, horizon=a.kl_horizon)
     last: dict[str, float] = {}
     with RunScaffold(cfg) as run:

@@ -303,6 +303,16 @@ def test_dr_grpo_preset_is_a_checked_combination():
         load_config(None, BASE + ["algorithm.preset=nope"])
 
 
+def test_the_run_names_its_preset_at_startup(capsys):
+    from rlhf.driver.rl import report_preset
+
+    cfg = load_config(None, BASE + ["algorithm.preset=dr_grpo", "algorithm.norm_by_std=false",
+                                    "algorithm.loss_agg_mode=seq-mean-token-sum-norm"])
+    line = "algorithm preset dr_grpo: adv_estimator=grpo, norm_by_std=False, loss_agg_mode=seq-mean-token-sum-norm"
+    assert report_preset(cfg) == line and capsys.readouterr().out.strip() == line
+    assert report_preset(load_config(None, BASE)) is None and capsys.readouterr().out == ""
+
+
 # ---- DAPO overlong shaping and filtering -------------------------------------------------------------------
 
 def test_overlong_penalty_is_a_linear_band_before_the_limit():

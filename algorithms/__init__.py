@@ -41,7 +41,7 @@ from .objectives import (
 )
 from .off_policy import IS_CORRECTIONS, rollout_correction
 from .overlong import overlong_keep, overlong_penalty
-from .preference import (
+from .preference_losses import (
     PREFERENCE_LOSSES,
     REFERENCE_FREE_LOSSES,
     bradley_terry_loss,

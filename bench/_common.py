@@ -120,7 +120,7 @@ def widened_preset(base: str, width: int) -> str:
 def model_dir(preset: str, width: int = 1, warm_steps: int = 0, warm_lr: float = 1e-3, seed: int = 0,
               data: dict[str, Path] | None = None, batch: int = 128) -> Path:
     """An HF model folder of `preset` (hidden width times `width`), SFT-warm-started for `warm_steps` steps on
-    the arithmetic train pairs with rlhf.driver.warmstart.sft_warm_start. Cached under runs/bench/cache."""
+    the arithmetic train pairs with rlhf.driver.warmstart.hf_sft.sft_warm_start. Cached under runs/bench/cache."""
     name = widened_preset(preset, width)
     base = CACHE / f"{name}-s{seed}"
     if not (base / "config.json").exists():
@@ -131,7 +131,7 @@ def model_dir(preset: str, width: int = 1, warm_steps: int = 0, warm_lr: float =
         return base
     warm = CACHE / f"{name}-s{seed}-warm{warm_steps}-lr{warm_lr:g}-b{batch}"
     if not (warm / "config.json").exists():
-        from rlhf.driver.warmstart import sft_warm_start
+        from rlhf.driver.warmstart.hf_sft import sft_warm_start
 
         data = data or arith_data(seed)
         pairs = [(q, a) for q, a in qa_pairs(data["rl_train"])]

@@ -129,8 +129,8 @@ def section_mfu() -> dict:
 def _mfu() -> dict:
     import torch
 
+    from workers.megatron.dist_setup import destroy_distributed, init_distributed
     from workers.megatron.engine import MegatronEngine
-    from workers.megatron.parallel import destroy_distributed, init_distributed
     from workers.net import free_port
     from workers.roles.logits import vocab_parallel_logprobs
     from workers.roles.micro import make_micro

@@ -5,7 +5,7 @@ holds the same knobs our GRPO run gets (model, prompts, reward, samples per prom
 tokens, learning rate, clip range) plus a training-time budget (the sum of step times) or a step count. It
 writes `result.json` into `spec["out_dir"]`: the per-step times, the logged TRL metrics, the greedy held-out
 accuracy every `eval_every` steps (clock paused) and, when `eval_val` is set, after the last step; all
-measured with `rlhf.driver.warmstart.greedy_accuracy` on the saved weights.
+measured with `rlhf.driver.warmstart.hf_sft.greedy_accuracy` on the saved weights.
 
 The TRL settings mirror configs/grpo_tiny.yaml: one policy update per generation batch (num_iterations=1,
 steps_per_generation=1, the whole batch in one micro-batch), token-mean loss ("dapo"), group-std reward
@@ -42,7 +42,7 @@ def run(spec: dict) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlhf.driver.rewards import builtin_reward_fn
+    from rlhf.driver.rl.rewards import builtin_reward_fn
 
     out = Path(spec["out_dir"])
     out.mkdir(parents=True, exist_ok=True)
@@ -116,7 +116,7 @@ def run(spec: dict) -> dict:
 
     steps: list[dict] = []
 
-    from rlhf.driver.warmstart import greedy_accuracy
+    from rlhf.driver.warmstart.hf_sft import greedy_accuracy
 
     val = [(r["messages"], str(r["answer"])) for r in _records(spec["val_file"])] if spec.get("val_file") else []
     eval_every = int(spec.get("eval_every") or 0)

@@ -100,7 +100,7 @@ def tiny(args) -> float:
     warm_steps = args.warm_steps if args.warm_steps is not None else base.model.warm_start_steps
     model = C.model_dir(base.model.preset or "arith-qwen2", warm_steps=warm_steps,
                         warm_lr=base.model.warm_start_lr, data=data, batch=base.model.warm_start_batch)
-    from rlhf.driver.warmstart import greedy_accuracy
+    from rlhf.driver.warmstart.hf_sft import greedy_accuracy
 
     val_pairs = C.qa_pairs(data["rl_val"])
     start_acc = greedy_accuracy(model, val_pairs, max_new_tokens=base.rollout.max_tokens)

@@ -12,7 +12,7 @@ Both sides take `--warmup` batches, then `--steps` timed ones, of `--prompts` pr
 prompt stream at temperature 1 (the warm-up lets the partial side's pipeline of long responses fill, so the
 timed steps show its steady state):
 - whole: each batch generated in one call (sync mode's generation), which waits for its longest response;
-- partial: the async buffer (rlhf/rollout_buffer.py, rollout.mode=async) with partial_tokens=`--chunk`: each
+- partial: the async buffer (rlhf/driver/rl/async_buffer.py, rollout.mode=async) with partial_tokens=`--chunk`: each
   step takes the oldest complete groups, and unfinished long responses continue beside the next prompts. Its
   rounds run in the takes (`background_rounds=0`): with no trainer here, the background rounds that overlap
   a train step (measured by bench/async.py) would only take turns with the takes' rounds.
@@ -58,11 +58,11 @@ def length_stream(long_every: int):
 
 
 def length_model(short: int, long: int, steps: int = 300) -> Path:
-    """arith-qwen2 fine-tuned (rlhf.driver.warmstart's SFT loop) to answer "short <k>" with one fixed string of
+    """arith-qwen2 fine-tuned (rlhf.driver.warmstart.hf_sft's SFT loop) to answer "short <k>" with one fixed string of
     `short` digits and "long <k>" with one of `long` digits (one token each), then stop. Cached."""
     import random
 
-    from rlhf.driver.warmstart import sft_warm_start
+    from rlhf.driver.warmstart.hf_sft import sft_warm_start
 
     out = C.CACHE / f"length-model-s{short}-l{long}-{steps}"
     if not (out / "config.json").exists():
@@ -76,7 +76,7 @@ def length_model(short: int, long: int, steps: int = 300) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rlhf.rollout_buffer import AsyncRollout
+    from rlhf.driver.rl.async_buffer import AsyncRollout
     from rlhf.workflow import prompt_batch, prompt_encoder
     from workers.rollout import EngineConfig, RolloutGroup, SamplingConfig
 

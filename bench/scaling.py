@@ -7,7 +7,7 @@ samples up to the same max_tokens and the rows differ only in the scaled quantit
 is shown). The figure is the median step time after the first `--skip` steps; each row gives its ratio to
 the 1x row, and for prompts the ratio per sample (1.0 = linear scaling, below 1 = better than linear).
 
-`--nodes`: instead, the 1x row on a simulated Ray cluster (rlhf/local_cluster.py) of one node against two
+`--nodes`: instead, the 1x row on a simulated Ray cluster (tests/helpers/local_cluster.py) of one node against two
 nodes (a head of 1 CPU with the driver, a node of 2 CPUs): on one node the weights go through shared
 memory; on two, the policy and the engine cannot all share the driver's node, so the sync goes over gloo
 and every call crosses a node. The ratio is the cost of the network transport and the cross-node calls.
@@ -143,7 +143,7 @@ def engines_rows(base: Any, data: dict[str, Path], steps: int, skip: int, argv: 
 
 def nodes_rows(base: Any, data: dict[str, Path], steps: int, skip: int, argv: list[str] | None) -> int:
     """The 1x row on one simulated node, then on two (module docstring)."""
-    from rlhf.local_cluster import LocalCluster, NodeSpec
+    from tests.helpers.local_cluster import LocalCluster, NodeSpec
 
     model = C.model_dir(base.model.preset or "arith-qwen2", width=1, warm_steps=0)
     specs = {"1 node": [NodeSpec("head", "127.0.0.10", 3)],

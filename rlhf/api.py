@@ -11,10 +11,10 @@ from __future__ import annotations
 from algorithms import compute_advantages
 from algorithms.rewards import extract_answer, parse_number
 from rlhf.config import RunConfig, load_config
-from rlhf.driver.advantages import add_advantages, token_level_scores
-from rlhf.driver.context import StepContext, rollout_metrics
-from rlhf.driver.prepare import prepare_inputs
-from rlhf.driver.rl import run_rl
+from rlhf.driver.rl.advantages import add_advantages, token_level_scores
+from rlhf.driver.rl.context import StepContext, rollout_metrics
+from rlhf.driver.rl.runner import run_rl
+from rlhf.driver.warmstart.prepare import prepare_inputs
 from rlhf.workflow import Roles, loss_config, value_loss_config
 from workers.batch import Batch
 

@@ -14,7 +14,7 @@ import importlib
 import sys
 
 from rlhf.errors import Stopped, UserError
-from workers.files import FileProblem, os_cause, output_name
+from workers.file_problems import FileProblem, os_cause, output_name
 
 # Command modules, imported lazily so `rlhf --help` stays fast. Add new commands here.
 COMMAND_MODULES = [
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"rlhf {args.command}: error: {output_name(e.filename)}: {cause}", file=sys.stderr)
         return 2
-    except Stopped as e:  # SIGTERM / SIGINT: stopped at a step boundary (rlhf.driver.preempt)
+    except Stopped as e:  # SIGTERM / SIGINT: stopped at a step boundary (rlhf.driver.infra.preempt)
         print(f"rlhf {args.command}: {e}", file=sys.stderr)
         return e.exit_code
     except Exception as e:

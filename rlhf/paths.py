@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from rlhf.errors import UserError
-from workers.files import file_errors, partial_name
+from workers.file_problems import file_errors, partial_name
 
 
 def _check_output_dir(out: Path, force: bool) -> None:

@@ -11,7 +11,7 @@
     roles.rollout.sync_weights(roles.policy)
 
 Each handle wraps a worker group (or the rollout actor) and keeps the Batch field names in one place.
-The built-in GRPO and PPO steps (`rlhf.driver.grpo`, `rlhf.driver.ppo`) are written with this API.
+The built-in GRPO and PPO steps (`rlhf.driver.rl.grpo`, `rlhf.driver.rl.ppo`) are written with this API.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from rlhf.config.schema import RewardConfig, RoleConfig, RunConfig
-from rlhf.driver.rewards import RewardScorer
-from rlhf.rollout_buffer import AsyncRollout
+from rlhf.driver.rl.async_buffer import AsyncRollout
+from rlhf.driver.rl.rewards import RewardScorer
 from workers.agent.options import AgentOptions
 from workers.batch import Batch
 from workers.config import build
@@ -197,7 +197,7 @@ class RolloutHandle:
     """The vLLM rollout engines (a RolloutGroup). `version` counts the weight syncs into them, and every
     sample carries the version that produced it (meta `policy_version`). With `rollout.mode: one_step_off`
     a step `prefetch`es the next step's prompts before it trains, and the next step `take`s them. With
-    `rollout.mode: async` (`buffer`, rlhf/rollout_buffer.py) `take` returns the oldest complete groups of a
+    `rollout.mode: async` (`buffer`, rlhf/driver/rl/async_buffer.py) `take` returns the oldest complete groups of a
     bounded-staleness buffer that the engines keep filling, partial rollouts included."""
 
     def __init__(self, group: Any, sampling: Any, sync_config: Any, agent: AgentOptions | None = None,

@@ -249,9 +249,9 @@ def test_full_disk_under_the_run_side_files(full_disk, monkeypatch):
     thread's traceback) and report.png on a full disk: a FileProblem naming the file (the CLI's one line), and
     no half-drawn report. TensorBoard opens its file again for every record (each fits in the fixture's 64
     bytes), so its folder gets a disk whose room counts over all of them."""
-    from rlhf.driver.metrics import MetricsLogger
-    from rlhf.driver.report import write_report
-    from workers.files import FileProblem
+    from rlhf.driver.infra.metrics import MetricsLogger
+    from rlhf.driver.infra.report import write_report
+    from workers.file_problems import FileProblem
 
     logger = MetricsLogger(full_disk, total_steps=9, tensorboard=False, progress_bar=False)
     with pytest.raises(FileProblem) as info:

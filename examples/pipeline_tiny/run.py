@@ -48,11 +48,11 @@ def main() -> int:
     from rlhf.commands.train import quiet_libraries
     from rlhf.config import load_config
     from rlhf.data.arithmetic import write_arithmetic_data
-    from rlhf.driver.lm import run_lm
-    from rlhf.driver.prepare import prepare_inputs
-    from rlhf.driver.ray_env import init_ray
-    from rlhf.driver.rl import run_rl
-    from rlhf.driver.warmstart import greedy_accuracy
+    from rlhf.driver.infra.ray_env import init_ray
+    from rlhf.driver.rl.runner import run_rl
+    from rlhf.driver.stages.lm import run_lm
+    from rlhf.driver.warmstart.hf_sft import greedy_accuracy
+    from rlhf.driver.warmstart.prepare import prepare_inputs
     from rlhf.tiny_models import create_tiny_model
 
     quiet_libraries()  # the console shows the stages and their progress bars; library chatter stays off it

@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_hf_to_mcore(args: argparse.Namespace) -> int:
     import time
 
-    from rlhf.checkpoint.convert import hf_to_mcore
+    from rlhf.conversion.convert import hf_to_mcore
 
     t0 = time.monotonic()
     out = hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, force=args.force, dtype=args.dtype,
@@ -49,7 +49,7 @@ def run_hf_to_mcore(args: argparse.Namespace) -> int:
 def run_mcore_to_hf(args: argparse.Namespace) -> int:
     import time
 
-    from rlhf.checkpoint.convert import mcore_to_hf
+    from rlhf.conversion.convert import mcore_to_hf
 
     t0 = time.monotonic()
     out = mcore_to_hf(args.mcore, args.out, force=args.force, tp=args.tp, pp=args.pp, ep=args.ep,

@@ -79,10 +79,10 @@ def _ks(arg: str | None, n: int) -> list[int]:
 
 def _check_output(out: Path) -> None:
     """A folder that cannot take the results fails now: a read-only or full one names the file and the
-    cause (workers.files), anything else in the way (a file where the folder should be) says so."""
+    cause (workers.file_problems), anything else in the way (a file where the folder should be) says so."""
     from rlhf.errors import UserError
     from rlhf.paths import check_writable
-    from workers.files import file_errors
+    from workers.file_problems import file_errors
 
     try:
         with file_errors(out.parent, "create the folder"):

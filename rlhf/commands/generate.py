@@ -62,7 +62,7 @@ def hf_folder(model: str, tmp: str, trust: bool = False) -> str:
             raise UserError(f"--model: {e}") from None
         return str(path)
     if path.is_dir():  # a converted megatron checkpoint, or a training one: export it to HF first
-        from rlhf.checkpoint.convert import mcore_to_hf
+        from rlhf.conversion.convert import mcore_to_hf
 
         return str(mcore_to_hf(path, Path(tmp) / "hf", trust=trust))
     raise UserError(f"--model: {model} is neither an HF folder (config.json) nor a megatron checkpoint folder")

@@ -19,7 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from rlhf.paths import staged_output_dir
     from rlhf.tiny_models import create_tiny_model, get_preset
-    from workers.files import file_errors
+    from workers.file_problems import file_errors
 
     get_preset(args.preset)  # fail on a bad preset before touching the output folder
     # written under a temporary name, renamed when complete: a full disk leaves no model-looking folder

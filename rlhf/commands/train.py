@@ -32,8 +32,8 @@ def quiet_libraries() -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rlhf.config import load_config
-    from rlhf.driver.prepare import prepare_inputs
-    from rlhf.driver.run_dir import claim_output_dir
+    from rlhf.driver.infra.run_dir import claim_output_dir
+    from rlhf.driver.warmstart.prepare import prepare_inputs
 
     overlays = [o for o in args.overrides if "=" not in o and o.endswith((".yaml", ".yml"))]
     overrides = [o for o in args.overrides if o not in overlays]
@@ -50,19 +50,19 @@ def run(args: argparse.Namespace) -> int:
     quiet_libraries()
     cfg = prepare_inputs(cfg)  # data and model files are checked (or generated) before any worker starts
     if cfg.algorithm.name == "dpo":
-        from rlhf.driver.dpo import run_dpo
+        from rlhf.driver.stages.dpo import run_dpo
 
         run_dpo(cfg)
     elif cfg.algorithm.name == "rm":
-        from rlhf.driver.rm import run_rm
+        from rlhf.driver.stages.rm import run_rm
 
         run_rm(cfg)
     elif cfg.algorithm.name in ("sft", "pretrain"):
-        from rlhf.driver.lm import run_lm
+        from rlhf.driver.stages.lm import run_lm
 
         run_lm(cfg)
     else:
-        from rlhf.driver.rl import run_rl
+        from rlhf.driver.rl.runner import run_rl
 
         run_rl(cfg)
     return 0  # a worker failure (any role) propagates to rlhf.cli, which prints it as one line, exit code 2

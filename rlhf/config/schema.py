@@ -87,7 +87,7 @@ class RolloutConfig(SamplingConfig, EngineOptions, SyncOptions, AgentOptions):
     num_engines: int = 1
     # sync: generate, then train, then sync; one_step_off: the next step's generation runs (on the weights
     # before this step's update) while this step trains, so each batch is one policy version old; async: the
-    # engines keep filling a buffer between steps (rlhf/rollout_buffer.py) and a step takes the oldest complete
+    # engines keep filling a buffer between steps (rlhf/driver/rl/async_buffer.py) and a step takes the oldest complete
     # groups, each token tagged with the policy version that produced it
     mode: str = "sync"
     # async: a group whose oldest token is more than this many weight syncs old is dropped (counted)

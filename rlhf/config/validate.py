@@ -41,8 +41,8 @@ from workers.rollout.config import EngineOptions
 from workers.rollout.sampling import SamplingConfig
 
 ALGORITHMS = ("grpo", "ppo", "sft", "pretrain", "dpo", "rm")
-LM_STAGES = ("sft", "pretrain", "dpo", "rm")  # algorithm names trained by the LM runner (rlhf.driver.lm)
-PAIR_STAGES = ("dpo", "rm")  # ... on preference pairs (rlhf.driver.pairs)
+LM_STAGES = ("sft", "pretrain", "dpo", "rm")  # algorithm names trained by the LM runner (rlhf.driver.stages.lm)
+PAIR_STAGES = ("dpo", "rm")  # ... on preference pairs (rlhf.driver.stages.pairs)
 DPO_REFERENCES = ("precompute", "group")  # algorithm.dpo.reference
 OVERLONG_PROMPTS = ("drop", "fail")  # data.overlong_prompts (rlhf.data.prompts.PromptLimit.mode)
 ROLLOUT_MODES = ("sync", "one_step_off", "async")  # rollout.mode (rlhf.workflow.RolloutHandle.take / prefetch)
@@ -601,7 +601,7 @@ def _check_dpo(cfg: RunConfig) -> None:
                           "term weighted by algorithm.dpo.orpo_lambda); set nll_coef to 0")
 
 
-# ---- SFT / pretraining stage (config-only checks; the files are checked by rlhf.driver.lm_data) ----------
+# ---- SFT / pretraining stage (config-only checks; the files are checked by rlhf.driver.stages.lm_data) ----------
 def _check_lm_stage(cfg: RunConfig) -> None:
     """Fields only the pretrain / sft stages read. Data files may not exist yet (data.task generates
     them in prepare_inputs), so only their presence in the config is checked here."""

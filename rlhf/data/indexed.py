@@ -11,7 +11,7 @@ import numpy as np
 
 from rlhf.data.checks import check_data_prefix, data_prefix_paths
 from rlhf.errors import UserError
-from workers.files import file_errors, partial_name
+from workers.file_problems import file_errors, partial_name
 
 
 def megatron_indexed():

@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from rlhf.data.chunked_map import imap_chunks
 from rlhf.data.indexed import IndexedWriter, token_dtype
 from rlhf.data.jsonl import check_input_file, get_text, iter_lines, parse_line
-from rlhf.data.parallel import imap_chunks
 from rlhf.data.tokenizer import eod_id, load_tokenizer
 from rlhf.errors import UserError
 

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 
 from rlhf.data.chat import check_chat_template, encode_sft_record
+from rlhf.data.chunked_map import imap_chunks
 from rlhf.data.indexed import IndexedWriter, open_indexed, token_dtype
 from rlhf.data.jsonl import check_input_file, iter_lines, parse_line
-from rlhf.data.parallel import imap_chunks
 from rlhf.data.preprocess import PreprocessStats, bad_utf8_reporter, report_malformed
 from rlhf.data.tokenizer import load_tokenizer
 from rlhf.errors import UserError

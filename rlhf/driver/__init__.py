@@ -1,1 +1,2 @@
-"""The single controller: workflow API, built-in GRPO / PPO / SFT / pretrain loops, checkpoints, monitoring."""
+"""The single controller, one subpackage per concern: `infra` (run infrastructure), `rl` (the RL stage),
+`stages` (pretraining, SFT, DPO, reward model) and `warmstart` (inputs made ready and the SFT warm start)."""

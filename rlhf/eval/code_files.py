@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.errors import UserError
+from rlhf.eval.benchmark_files import Row, fewshot_rows, jsonl_rows, need_field, need_text, split_files
 from rlhf.eval.code import extract_code
-from rlhf.eval.files import Row, fewshot_rows, jsonl_rows, need_field, need_text, split_files
 from rlhf.eval.items import Item, Task
 from workers.sandbox.verdict import CodeCheck
 

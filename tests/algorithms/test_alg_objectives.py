@@ -23,7 +23,7 @@ from algorithms import (
     register_objective,
 )
 from rlhf.config import load_config
-from rlhf.driver.advantages import add_advantages
+from rlhf.driver.rl.advantages import add_advantages
 from rlhf.errors import ConfigError
 from workers.batch import Batch
 from workers.roles.loss_config import PPOLossConfig
@@ -304,7 +304,7 @@ def test_dr_grpo_preset_is_a_checked_combination():
 
 
 def test_the_run_names_its_preset_at_startup(capsys):
-    from rlhf.driver.rl import report_preset
+    from rlhf.driver.rl.runner import report_preset
 
     cfg = load_config(None, BASE + ["algorithm.preset=dr_grpo", "algorithm.norm_by_std=false",
                                     "algorithm.loss_agg_mode=seq-mean-token-sum-norm"])

@@ -1,5 +1,5 @@
-"""Worker groups, weight sync and node loss on a Ray cluster of four nodes simulated on this machine (rlhf/
-local_cluster.py): a head (127.0.0.10, 1 CPU), nodes a and b (127.0.0.2 / .3, 2 CPUs each) and node c
+"""Worker groups, weight sync and node loss on a Ray cluster of four nodes simulated on this machine (tests/
+helpers/local_cluster.py): a head (127.0.0.10, 1 CPU), nodes a and b (127.0.0.2 / .3, 2 CPUs each) and node c
 (127.0.0.4, no CPUs) that sees the folder `unshared/` through a private tmpfs, as a node without the shared
 storage would. Real raylets, real megatron-core, vLLM and gloo; one cluster for the module, the tests in
 file order (the last one kills node b).
@@ -19,10 +19,10 @@ import pytest
 import ray
 import torch
 
-from rlhf.driver.shared_dir import check_shared_run_dir
+from rlhf.driver.infra.shared_dir import check_shared_run_dir
 from rlhf.errors import UserError
-from rlhf.local_cluster import LocalCluster, NodeSpec
 from tests.helpers.batches import make_rl_batch
+from tests.helpers.local_cluster import LocalCluster, NodeSpec
 from tests.helpers.ray_cluster import stop_shared_ray
 from workers.group import NodeLostError, ResourceUnavailableError, WorkerGroup
 from workers.roles import PolicyWorker, fetch_state_dict

@@ -1,4 +1,4 @@
-"""`rlhf train` on a simulated three-node cluster (rlhf/local_cluster.py): the policy's two DP ranks on nodes
+"""`rlhf train` on a simulated three-node cluster (tests/helpers/local_cluster.py): the policy's two DP ranks on nodes
 a and b. Node b is killed mid-run: the driver names the node and the ranks lost
 within 30 s and exits; `--resume` on the two nodes left continues from the last checkpoint to the end."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.local_cluster import LocalCluster, NodeSpec
+from tests.helpers.local_cluster import LocalCluster, NodeSpec
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = ["configs/grpo_tiny.yaml", "model.warm_start_steps=5", "data.val_size=8", "data.prompts_per_step=4",
@@ -24,7 +24,7 @@ RUN = ["configs/grpo_tiny.yaml", "model.warm_start_steps=5", "data.val_size=8", 
 
 def _steps(run: Path) -> list[int]:
     """The steps of the run's history (a resume supersedes the rows it logs again: read_metrics)."""
-    from rlhf.driver.metrics import read_metrics
+    from rlhf.driver.infra.metrics import read_metrics
 
     return [r["step"] for r in read_metrics(run)]
 

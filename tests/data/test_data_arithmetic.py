@@ -67,7 +67,7 @@ def test_preference_pairs_near_misses_for_dpo_half_random_for_the_reward_model(t
 
 def test_pair_stages_on_the_task_train_on_their_own_pair_files(tmp_path):
     from rlhf.config import load_config
-    from rlhf.driver.prepare import prepare_inputs
+    from rlhf.driver.warmstart.prepare import prepare_inputs
 
     for algo in ("dpo", "rm"):
         cfg = load_config(None, [f"algorithm.name={algo}", "model.preset=tiny-qwen2", "model.warm_start_steps=0",

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.driver.checkpoints import CheckpointManager
-from workers.files import FileProblem
+from rlhf.driver.infra.run_checkpoints import CheckpointManager
+from workers.file_problems import FileProblem
 
 
 def _write_ok(tmp: Path) -> None:
@@ -60,7 +60,7 @@ def test_other_failures_keep_their_error(tmp_path):
 def test_hf_export_disk_problem_is_one_line_and_keeps_the_old_export(tmp_path, error, cause):
     """The run's HF export is written by the policy's workers into a staged folder: a disk problem (here or
     reported by a worker) names the export, leaves no partial folder, and the previous export stays whole."""
-    from rlhf.driver.checkpoints import export_hf
+    from rlhf.driver.infra.run_checkpoints import export_hf
 
     out = tmp_path / "hf"
     export_hf(out, lambda d: (Path(d) / "model.safetensors").write_bytes(b"old"))

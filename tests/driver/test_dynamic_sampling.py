@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlhf.config import RunConfig
-from rlhf.driver.grpo import informative_groups, train_divisor, whole_groups_dividing
+from rlhf.driver.rl.grpo import informative_groups, train_divisor, whole_groups_dividing
 from workers.batch import Batch
 
 
@@ -79,9 +79,9 @@ class _Rollout:
 def test_refill_rounds_draw_the_missing_groups_times_the_oversample_factor():
     from types import SimpleNamespace
 
-    from rlhf.driver.context import StepContext
-    from rlhf.driver.grpo import generate_and_score
-    from rlhf.driver.metrics import PhaseTimer
+    from rlhf.driver.infra.metrics import PhaseTimer
+    from rlhf.driver.rl.context import StepContext
+    from rlhf.driver.rl.grpo import generate_and_score
 
     cfg = RunConfig()
     cfg.rollout.n, cfg.algorithm.dynamic_sampling, cfg.algorithm.oversample_factor = 4, True, 1.5

@@ -8,7 +8,7 @@ import pytest
 from rlhf.cli import main as rlhf_main
 from rlhf.config import load_config
 from rlhf.data.tokenizer import load_tokenizer
-from rlhf.driver.prepare import load_rl_prompts
+from rlhf.driver.warmstart.prepare import load_rl_prompts
 from rlhf.errors import ConfigError
 from tests.helpers.cli import rlhf
 from tests.helpers.files import write_lines

@@ -59,7 +59,7 @@ def _stop(proc: subprocess.Popen, send: Callable[[], Any], run: Path, err_file: 
 
 def _reward_processes(pid: int) -> list[psutil.Process]:
     return [p for p in psutil.Process(pid).children(recursive=True)
-            if "rlhf.driver.reward_worker" in " ".join(p.cmdline())]
+            if "rlhf.driver.rl.reward_worker" in " ".join(p.cmdline())]
 
 
 def _sigterm_then_resume(tmp_path: Path) -> tuple[list[str], dict[str, str], Path, int]:

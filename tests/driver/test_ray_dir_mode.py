@@ -24,7 +24,7 @@ NOBODY = 65534
 SCRIPT = """
 import json, os, stat, sys, ray
 from rlhf.config.schema import TrainerConfig
-from rlhf.driver.ray_env import init_ray
+from rlhf.driver.infra.ray_env import init_ray
 
 own = init_ray(TrainerConfig(output_dir=sys.argv[1], dashboard=False, ray_num_cpus=1))
 @ray.remote(num_cpus=0)

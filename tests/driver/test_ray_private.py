@@ -26,7 +26,7 @@ def _start_ray(dashboard: bool) -> str:
     return f"""
 import json, os, sys, time, psutil, ray
 from rlhf.config.schema import TrainerConfig
-from rlhf.driver.ray_env import init_ray, token_path
+from rlhf.driver.infra.ray_env import init_ray, token_path
 
 own = init_ray(TrainerConfig(output_dir=sys.argv[1], dashboard={dashboard}, ray_num_cpus=2))
 @ray.remote
@@ -97,7 +97,7 @@ def test_embedded_ray_listens_on_loopback_only(where, tmp_path):
 
 
 def test_existing_token_made_private_and_stale_scratch_dirs_removed(tmp_path, monkeypatch):
-    from rlhf.driver import ray_env
+    from rlhf.driver.infra import ray_env
 
     token = tmp_path / "tok"
     token.write_text("abc")

@@ -80,7 +80,7 @@ def test_base_run_has_three_checkpoints(base_run):
 
 @pytest.mark.parametrize("pointer", [b"\xff\xfe\x00garbage", b"", None, b"step-000009", b"not a step"])
 def test_unusable_latest_falls_back_to_the_newest_intact_step(run, pointer):
-    from rlhf.driver.checkpoints import CheckpointManager
+    from rlhf.driver.infra.run_checkpoints import CheckpointManager
 
     if pointer is None:
         (ckpts(run) / "latest").unlink()
@@ -115,7 +115,7 @@ def test_latest_leaving_the_checkpoints_folder_is_refused(run, tmp_path, capsys,
 def test_truncated_shard_is_damage_and_the_step_before_is_used(run, capsys):
     """A shard cut short in the newest step is reported as damage naming the file and the step used
     instead, not as a trust problem; with every step damaged, the refusal names the file (exit 2)."""
-    from rlhf.driver.checkpoints import CheckpointManager
+    from rlhf.driver.infra.run_checkpoints import CheckpointManager
 
     shard = a_shard(ckpts(run) / "step-000003")
     truncate(shard)
@@ -148,7 +148,7 @@ def test_resume_past_a_damaged_step_keeps_history(run, capsys):
     """latest -> step-000003 whose driver_state.json is cut short: the run says so in one line, resumes from
     step-000002, redoes step 3, keeps every earlier metrics row (after them a marker that `read_metrics`
     applies) and keeps the damaged folder aside; steps 1 and 2 are untouched."""
-    from rlhf.driver.metrics import read_metrics
+    from rlhf.driver.infra.metrics import read_metrics
 
     truncate(ckpts(run) / "step-000003" / "driver_state.json")
     damaged = digests(ckpts(run) / "step-000003")
@@ -178,7 +178,7 @@ def test_resume_past_a_damaged_step_keeps_history(run, capsys):
 def test_a_save_keeps_a_newer_step_it_did_not_load_from(run):
     """latest rolled back to step-000001 while steps 2 and 3 are intact: the resumed run's save of step 2
     keeps the earlier step-000002, renamed, byte for byte."""
-    from rlhf.driver.checkpoints import CheckpointManager
+    from rlhf.driver.infra.run_checkpoints import CheckpointManager
 
     (ckpts(run) / "latest").write_text("step-000001")
     mgr = CheckpointManager(run)

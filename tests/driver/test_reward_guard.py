@@ -9,7 +9,7 @@ import math
 import pytest
 
 from rlhf.config.schema import RewardConfig
-from rlhf.driver.rewards import RewardError, RewardScorer
+from rlhf.driver.rl.rewards import RewardError, RewardScorer
 
 USER_REWARD = '''
 import math, os, time
@@ -104,8 +104,8 @@ def test_reward_module_is_checked_in_a_bounded_process_not_imported_by_the_drive
     import sys
     import time
 
-    from rlhf.driver import reward_pool
-    from rlhf.driver.rewards import check_reward_fn
+    from rlhf.driver.rl.rewards import check_reward_fn
+    from rlhf.driver.rl import reward_pool
     from rlhf.errors import UserError
 
     (tmp_path / "hang_mod.py").write_text("import time\ntime.sleep(3600)\ndef f(p, r, g):\n    return 1.0\n")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.driver.reward_pool import RewardPool
+from rlhf.driver.rl.reward_pool import RewardPool
 from tests.helpers.procs import marked, wait_for
 
 REPO = str(Path(__file__).resolve().parents[2])
@@ -68,7 +68,7 @@ def _reap(marker: str) -> None:
 CALLER = """
 import sys
 sys.path[:0] = [sys.argv[1], sys.argv[2]]
-from rlhf.driver.reward_pool import RewardPool
+from rlhf.driver.rl.reward_pool import RewardPool
 pool = RewardPool("lifetime_reward_mod:score", 1, 600.0, 1024)
 print(pool.score([("p", "hang:" + sys.argv[3], None)]), flush=True)
 """

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from rlhf.cli import main as rlhf_main
-from rlhf.driver.metrics import mark_resume, read_metrics
+from rlhf.driver.infra.metrics import mark_resume, read_metrics
 
 BAD_DATA = ["data.task=null", "data.train_file=/nonexistent/prompts.jsonl"]  # fails right after the folder check
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf.driver.advantages import token_level_scores
+from rlhf.driver.rl.advantages import token_level_scores
 from workers.batch import Batch
 
 

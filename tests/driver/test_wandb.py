@@ -9,7 +9,7 @@ import struct
 import pytest
 
 from rlhf.config import load_config
-from rlhf.driver.metrics import MetricsLogger, read_metrics, wandb_args
+from rlhf.driver.infra.metrics import MetricsLogger, read_metrics, wandb_args
 from rlhf.errors import ConfigError
 
 wandb = pytest.importorskip("wandb")

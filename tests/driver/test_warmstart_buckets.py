@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from rlhf.driver.warmstart import _padded, length_buckets, warm_start_optimizer, warm_start_update
+from rlhf.driver.warmstart.hf_sft import _padded, length_buckets, warm_start_optimizer, warm_start_update
 
 
 def test_length_buckets_group_by_ratio():

@@ -319,7 +319,7 @@ def test_fewshot_examples_are_inserted_and_recorded(tmp_path):
 def test_eval_metric_names_are_valid_ray_gauges():
     from ray.util.metrics import _is_invalid_metric_name
 
-    from rlhf.driver.metrics import gauge_name
+    from rlhf.driver.infra.metrics import gauge_name
     from rlhf.eval.items import Task
 
     tasks = [Task("humaneval", "code", [], short="code:x"), Task("rg:basic_arithmetic", "generate", [])]

@@ -25,7 +25,7 @@ def shared_ray() -> None:
     if ray.is_initialized():
         return
     from rlhf.config.schema import TrainerConfig
-    from rlhf.driver.ray_env import init_ray
+    from rlhf.driver.infra.ray_env import init_ray
 
     root = tempfile.mkdtemp(prefix="rlhf-test-ray-")
     # the workers' output stays in their log files: echoed here, a late line of one test's actor would land in

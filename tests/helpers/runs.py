@@ -21,7 +21,7 @@ def metrics(run: Path) -> list[dict]:
 
 def logged_steps(run: Path) -> list[int]:
     """The steps of the run's history (a resume supersedes the rows it logs again: read_metrics)."""
-    from rlhf.driver.metrics import read_metrics
+    from rlhf.driver.infra.metrics import read_metrics
 
     return [r["step"] for r in read_metrics(run)]
 

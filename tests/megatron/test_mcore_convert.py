@@ -81,7 +81,7 @@ def tp1_world(models) -> tuple[list[dict], dict[str, str]]:
     converter's metadata) for the resharding checks of the TP2 / PP2 worlds."""
     from transformers import AutoConfig
 
-    from rlhf.checkpoint.convert import finish_mcore_checkpoint, sign_converted
+    from rlhf.conversion.convert import finish_mcore_checkpoint, sign_converted
 
     ckpts = {str(models[k]): str(models["root"] / f"{k}_tp1") for k in ("qwen", "llama")}
     ranks = run_distributed(parity_and_reshard, 1, args=(_hf_dirs(models), {}, ckpts))

@@ -49,7 +49,7 @@ def tp1_world(models) -> tuple[list[dict], dict[str, str]]:
     """The TP1 parity world; it also saves TP1 dist checkpoints of the MoE models for the EP2 / PP2 worlds."""
     from transformers import AutoConfig
 
-    from rlhf.checkpoint.convert import finish_mcore_checkpoint, sign_converted
+    from rlhf.conversion.convert import finish_mcore_checkpoint, sign_converted
 
     dirs = [str(models[p]) for p in ALL]
     ckpts = {str(models[p]): str(models["root"] / f"{p}_tp1") for p in MOE}
@@ -136,7 +136,7 @@ def test_round_trip_bit_exact(models, tmp_path, preset, conv, export):
 def test_mtp_layers_skipped_with_a_note(models, tmp_path, capsys):
     """A DeepSeek checkpoint with a multi-token-prediction layer (model.layers.{N}.*) validates; the layer is
     named in a note and not part of the tensors the conversion reads."""
-    from rlhf.checkpoint.convert import validate_hf
+    from rlhf.conversion.convert import validate_hf
 
     src = _variant(models["tiny-deepseek-v3"], tmp_path / "mtp", {"num_nextn_predict_layers": 1})
     sd = load_file(src / "model.safetensors")

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from rlhf.rollout_buffer import AsyncRollout
+from rlhf.driver.rl.async_buffer import AsyncRollout
 from rlhf.workflow import prompt_batch, prompt_encoder
 from workers.rollout import EngineConfig, RolloutGroup, SamplingConfig
 

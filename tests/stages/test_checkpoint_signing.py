@@ -216,7 +216,7 @@ def test_trainer_load_refuses_a_forged_manifest(no_ray, lm_inputs, tmp_path):
     import ray
 
     from rlhf.config import load_config
-    from rlhf.driver.lm import run_lm
+    from rlhf.driver.stages.lm import run_lm
 
     marker = tmp_path / "PWNED"
     role = fake_run(tmp_path / "other", marker, forge=lambda r: _forge(r, "guess"))
@@ -293,7 +293,7 @@ def test_corrupt_index_under_trust_is_one_line(no_ray, converted, lm_inputs, tmp
     import ray
 
     from rlhf.config import load_config
-    from rlhf.driver.lm import run_lm
+    from rlhf.driver.stages.lm import run_lm
 
     ckpt = _copy(converted, tmp_path)
     index = ckpt / "model" / ".metadata"

@@ -52,7 +52,7 @@ def test_manifest_detects_changed_extra_and_missing_files(tmp_path):
 
 @pytest.mark.timeout(900)
 def test_converted_checkpoint_trust(tiny_model_factory, tmp_path, capsys):
-    from rlhf.checkpoint.rank_fns import mcore_to_hf_rank
+    from rlhf.conversion.rank_fns import mcore_to_hf_rank
     from workers.megatron.launch import run_distributed
 
     marker = tmp_path / "PWNED"
@@ -92,8 +92,8 @@ def test_training_refuses_untrusted_checkpoint_before_workers(no_ray, lm_inputs,
     """SFT with trainer.load / --resume and GRPO with --resume (a run dir whose checkpoint was planted)."""
     import ray
 
-    from rlhf.driver.lm import run_lm
-    from rlhf.driver.rl import run_rl
+    from rlhf.driver.rl.runner import run_rl
+    from rlhf.driver.stages.lm import run_lm
 
     marker = tmp_path / "PWNED"
     run_dir = tmp_path / "run"
@@ -127,7 +127,7 @@ def test_warm_start_reads_hf_weights_as_safetensors_only(tiny_model_factory, tmp
     import torch
     from safetensors.torch import load_file
 
-    from rlhf.driver.warmstart import greedy_accuracy, sft_warm_start
+    from rlhf.driver.warmstart.hf_sft import greedy_accuracy, sft_warm_start
 
     model = tmp_path / "model"
     shutil.copytree(tiny_model_factory("tiny-qwen2"), model)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from rlhf.config import load_config
-from rlhf.driver.metrics import read_metrics
+from rlhf.driver.infra.metrics import read_metrics
 from rlhf.errors import UserError
 
 
@@ -35,7 +35,7 @@ def overrides(files: dict[str, str], out: Path, *extra: str) -> list[str]:
 
 
 def run(files: dict, out: Path, *extra: str) -> list[dict]:
-    from rlhf.driver.dpo import run_dpo
+    from rlhf.driver.stages.dpo import run_dpo
 
     run_dpo(load_config(None, overrides(files, out, *extra)))
     return read_metrics(out)
@@ -60,7 +60,7 @@ def hf_answer_logps(model_dir: str, batch: dict, side: str) -> torch.Tensor:
 def test_dpo_learns_with_reference_and_validation(run_a, pair_files):
     from safetensors.torch import load_file
 
-    from rlhf.data.preference import PairDataset
+    from rlhf.data.preference_pairs import PairDataset
 
     out, rows = run_a
     by = {r["step"]: r for r in rows}
@@ -135,7 +135,7 @@ def test_orpo_trains_without_a_reference(ray_session, pair_files, tmp_path, monk
     """ORPO is reference-free: even with `reference: group` neither the reference pass nor the group starts
     (both replaced here by functions that fail); the loss (chosen NLL + lambda x odds-ratio term) falls on the
     same 8 pairs and the log-odds margin grows."""
-    import rlhf.driver.dpo as dpo
+    import rlhf.driver.stages.dpo as dpo
 
     def no_reference(*_: object, **__: object) -> None:
         raise AssertionError("orpo started a reference")
@@ -163,7 +163,7 @@ def test_orpo_trains_without_a_reference(ray_session, pair_files, tmp_path, monk
 ])
 @pytest.mark.parametrize("algo", ["dpo", "rm"])
 def test_bad_pairs_name_the_line_before_any_model_work(tmp_path, record, message, algo):
-    from rlhf.driver.prepare import prepare_inputs
+    from rlhf.driver.warmstart.prepare import prepare_inputs
 
     good = {"prompt": "What is 2+2?", "chosen": "4", "rejected": "5"}
     path = tmp_path / "pairs.jsonl"
@@ -178,7 +178,7 @@ def test_bad_pairs_name_the_line_before_any_model_work(tmp_path, record, message
 
 
 def test_pair_encoding_masks_only_the_answer(tiny_model_factory):
-    from rlhf.data.preference import encode_answer, parse_pair
+    from rlhf.data.preference_pairs import encode_answer, parse_pair
     from rlhf.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tiny_model_factory("tiny-qwen2"))
@@ -193,7 +193,7 @@ def test_pair_encoding_masks_only_the_answer(tiny_model_factory):
 
 
 def test_held_out_pairs_read_their_reference_from_the_train_split(pair_files, tmp_path):
-    from rlhf.driver.pairs import build_pair_data
+    from rlhf.driver.stages.pairs import build_pair_data
 
     cfg = load_config(None, overrides(pair_files, tmp_path / "run", "data.val_file=null", "data.val_size=3"))
     data = build_pair_data(cfg)

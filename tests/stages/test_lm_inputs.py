@@ -16,7 +16,7 @@ pytestmark = pytest.mark.usefixtures("no_ray")  # each test proves bad input fai
 def _run(inputs, algo, tmp_path, *extra):
     import ray
 
-    from rlhf.driver.lm import run_lm
+    from rlhf.driver.stages.lm import run_lm
 
     cfg = load_config(None, lm_overrides(inputs, algo, tmp_path / "run", *extra))
     try:
@@ -69,7 +69,7 @@ def test_bad_config_is_a_config_error(lm_inputs, tmp_path, extra, match):
 
 
 def test_sample_order_resumes_and_reshuffles():
-    from rlhf.driver.lm_data import SampleOrder
+    from rlhf.driver.stages.lm_data import SampleOrder
 
     a = SampleOrder(range(5), seed=3, shuffle=True)
     first = a.take(7)
@@ -99,7 +99,7 @@ def test_packed_mask_from_positions(lm_inputs):
 
 
 def test_resolve_checkpoint(tmp_path):
-    from rlhf.driver.lm import resolve_checkpoint
+    from rlhf.driver.stages.lm import resolve_checkpoint
 
     step = tmp_path / "run" / "checkpoints" / "step-000002"
     (step / "policy").mkdir(parents=True)
@@ -110,7 +110,7 @@ def test_resolve_checkpoint(tmp_path):
 
 
 def test_resume_refuses_a_changed_lr_schedule(lm_inputs, tmp_path):
-    from rlhf.driver.checkpoints import check_schedule, schedule_of
+    from rlhf.driver.infra.run_checkpoints import check_schedule, schedule_of
 
     cfg = load_config(None, lm_overrides(lm_inputs, "pretrain", tmp_path))
     saved = schedule_of(cfg)

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from rlhf.config import load_config
-from rlhf.driver.metrics import read_metrics
+from rlhf.driver.infra.metrics import read_metrics
 from tests.helpers.lm import lm_overrides
 
 
 def run(inputs: dict, algo: str, out: Path, *extra: str) -> tuple[list[dict], object]:
-    from rlhf.driver.lm import run_lm
+    from rlhf.driver.stages.lm import run_lm
 
     cfg = load_config(None, lm_overrides(inputs, algo, out, *extra))
     run_lm(cfg)
@@ -51,8 +51,8 @@ def hf_loss(model_dir: str | Path, batch) -> float:
 
 
 def val_batch(cfg, out: Path):
-    from rlhf.driver.lm import global_batch_size
-    from rlhf.driver.lm_data import build_lm_data
+    from rlhf.driver.stages.lm import global_batch_size
+    from rlhf.driver.stages.lm_data import build_lm_data
 
     gbs = global_batch_size(cfg)
     return build_lm_data(cfg, gbs, str(out)).val_batch(gbs * cfg.trainer.eval_iters)
@@ -183,7 +183,7 @@ def test_sft_packed_pp2_from_pretrained_checkpoint(run_a, lm_inputs, tmp_path):
 
 
 def test_nonfinite_steps_are_skipped_then_stop(ray_session, lm_inputs, tmp_path):
-    from rlhf.driver.lm import NonFiniteError
+    from rlhf.driver.stages.lm import NonFiniteError
 
     out = tmp_path / "diverge"
     with pytest.raises(NonFiniteError, match=r"stopped at step \d: 2 optimizer steps in a row"):

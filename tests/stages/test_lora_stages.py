@@ -12,7 +12,7 @@ import pytest
 from safetensors.torch import load_file
 
 from rlhf.config import load_config
-from rlhf.driver.metrics import read_metrics
+from rlhf.driver.infra.metrics import read_metrics
 from tests.helpers.lm import lm_overrides
 
 LORA = ["policy.lora.rank=4", "policy.lora.alpha=8", "policy.optim.lr=1e-2", "trainer.export_hf=true"]
@@ -34,7 +34,7 @@ def check_export(out: Path, base: str) -> None:
 
 
 def test_sft_with_lora(ray_session, lm_inputs, tmp_path):
-    from rlhf.driver.lm import run_lm
+    from rlhf.driver.stages.lm import run_lm
 
     out = tmp_path / "sft"
     run_lm(load_config(None, lm_overrides(lm_inputs, "sft", out, "trainer.total_steps=3", *LORA)))
@@ -48,7 +48,7 @@ def test_dpo_with_lora(ray_session, lm_inputs, tmp_path):
     import random
 
     from rlhf.data.arithmetic import preference_record, split_pairs
-    from rlhf.driver.dpo import run_dpo
+    from rlhf.driver.stages.dpo import run_dpo
 
     train, _ = split_pairs(seed=0, val_size=16)
     rng = random.Random(0)

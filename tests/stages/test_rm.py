@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from rlhf.config import load_config
-from rlhf.driver.metrics import read_metrics
+from rlhf.driver.infra.metrics import read_metrics
 
 STEPS = 6
 
@@ -35,7 +35,7 @@ def overrides(files: dict[str, str], out: Path, *extra: str) -> list[str]:
 
 
 def run(files: dict, out: Path, *extra: str) -> list[dict]:
-    from rlhf.driver.rm import run_rm
+    from rlhf.driver.stages.rm import run_rm
 
     run_rm(load_config(None, overrides(files, out, *extra)))
     return read_metrics(out)
@@ -63,7 +63,7 @@ def test_rm_learns_the_pairs_and_validates_on_held_out_ones(run_a):
 
 
 def _val_pairs(files: dict) -> dict[str, torch.Tensor]:
-    from rlhf.data.preference import PairDataset, scored_pairs
+    from rlhf.data.preference_pairs import PairDataset, scored_pairs
 
     ds = PairDataset(files["val"], files["model"], 32)
     return scored_pairs(ds.collate([ds[i] for i in range(len(ds))]), ds.pad_id)

@@ -16,7 +16,7 @@ import secrets
 import stat
 from pathlib import Path
 
-from workers.files import FileProblem
+from workers.file_problems import FileProblem
 
 KEY_ENV = "RLHF_CHECKPOINT_KEY"
 _KEY_BYTES = 32

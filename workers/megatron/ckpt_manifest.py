@@ -224,7 +224,7 @@ def check_saved_files(folder: str | Path, trust: bool) -> None:
 def probe_readable(folder: str | Path) -> None:
     """Read a dist_checkpointing folder's `metadata.json`, `.metadata` index and `common.pt` once;
     DamagedCheckpointError naming the file that could not be read (a truncated shard is named by the loader
-    itself, workers.files.file_errors). Unpickles: only for folders the user trusts."""
+    itself, workers.file_problems.file_errors). Unpickles: only for folders the user trusts."""
     folder = Path(folder)
     if not (folder / DIST_CHECKPOINT_MARK).is_file():
         return

@@ -5,7 +5,7 @@ on any other installed version rather than patching code it was not checked agai
 here does anything.
 
 Scope, in two parts:
-- Process-wide, once: `apply_cpu_compat()`, called only by `workers.megatron.parallel.init_distributed`
+- Process-wide, once: `apply_cpu_compat()`, called only by `workers.megatron.dist_setup.init_distributed`
   (every process that runs megatron goes through it; repeated calls do nothing).
   - `torch.cuda.current_device()` (~100 call sites, used as a `device=`) returns the CPU device;
     `torch.cuda.synchronize()` is a no-op; `torch.cuda.manual_seed()` seeds the CPU generator.

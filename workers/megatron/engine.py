@@ -1,7 +1,7 @@
 """`MegatronEngine`: one rank's share of a megatron-core model with its optimizer, schedule and checkpoints.
 
 The roles (policy, reference, critic, reward model) are thin layers over it. It assumes the world and
-megatron parallel_state are up (`workers.megatron.parallel.init_distributed`). What it does:
+megatron parallel_state are up (`workers.megatron.dist_setup.init_distributed`). What it does:
 
 - builds the local TP/PP shard of a GPT (LM or value head) from a HF folder and loads its weights;
 - trainable: wraps it in Megatron DDP, builds `get_megatron_optimizer` (distributed optimizer when

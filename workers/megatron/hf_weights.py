@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from workers.files import FileProblem, file_errors
+from workers.file_problems import FileProblem, file_errors
+from workers.megatron.dist_setup import tp_layout
 from workers.megatron.hf_map import (
     REPLICATED,
     Binding,
@@ -43,7 +44,6 @@ from workers.megatron.hf_map import (
     tp_concat_dim,
 )
 from workers.megatron.lora import LoRALinear, adapted_layers
-from workers.megatron.parallel import tp_layout
 from workers.megatron.value_head import ValueHead
 
 

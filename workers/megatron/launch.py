@@ -22,7 +22,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from workers.files import FileProblem
+from workers.file_problems import FileProblem
 from workers.net import LOOPBACK, free_port
 
 PRELOAD = "workers.megatron.rank_preload"
@@ -53,7 +53,7 @@ def _worker(
 
         torch.set_num_threads(threads)
         from workers.megatron.cpu_compat import cpu_device_mode
-        from workers.megatron.parallel import destroy_distributed, init_distributed
+        from workers.megatron.dist_setup import destroy_distributed, init_distributed
 
         with cpu_device_mode():
             init_distributed(rank, world_size, LOOPBACK, port, tp=tp, pp=pp, ep=ep, cp=cp)

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
+from workers.megatron.dist_setup import tp_layout
 from workers.megatron.hf_map import ROW, Dims, bind, to_hf
 from workers.megatron.lora import adapted_layers
-from workers.megatron.parallel import tp_layout
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _PREFIX = "base_model.model."  # PEFT's name of the wrapped HF model

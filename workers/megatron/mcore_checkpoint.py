@@ -126,7 +126,7 @@ def _load_matching(wanted: dict, target: Path, config: Path) -> dict:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
-    from workers.files import FileProblem, _unwrap
+    from workers.file_problems import FileProblem, _unwrap
 
     try:
         return dist_checkpointing.load(wanted, str(target))

@@ -10,7 +10,4 @@ import megatron.core.models.gpt  # noqa: F401
 import torch  # noqa: F401
 from transformers import AutoConfig
 
-import workers.megatron.engine
-import workers.megatron.parallel  # noqa: F401
-
 AutoConfig.for_model("qwen2")  # the lazy auto classes, imported by any config's first load

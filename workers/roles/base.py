@@ -41,7 +41,7 @@ class MegatronWorker(Worker):
     def init_distributed(self, master_addr: str, master_port: int) -> None:
         from megatron.core import parallel_state as ps
 
-        from workers.megatron.parallel import init_distributed
+        from workers.megatron.dist_setup import init_distributed
 
         c = self.ctx
         init_distributed(c.rank, c.world_size, master_addr, master_port, tp=c.tp, pp=c.pp, backend=c.backend,

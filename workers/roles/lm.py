@@ -74,7 +74,7 @@ def lm_batch_from_rl(batch: Batch) -> Batch:
 def masked_token_nll(logp: torch.Tensor, mask: torch.Tensor, normalizer: torch.Tensor | None = None) -> torch.Tensor:
     """The LM loss from the targets' log-probabilities: their negative sum over `mask` divided by
     `normalizer` (the global batch's target count; default: this batch's). The Megatron LM step and the
-    HF warm start (rlhf.driver.warmstart) both train on it."""
+    HF warm start (rlhf.driver.warmstart.hf_sft) both train on it."""
     return agg_loss(-logp, mask, "token-mean", normalizer=normalizer)
 
 

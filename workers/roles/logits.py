@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.megatron.parallel import tp_layout
+from workers.megatron.dist_setup import tp_layout
 
 
 def vocab_parallel_logprobs(

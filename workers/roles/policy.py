@@ -18,12 +18,12 @@ from workers.config import build
 from workers.dispatch import DP_COMPUTE, ONE_TO_ALL, register, split_by_minibatch
 from workers.megatron.engine import Micro
 from workers.roles.base import MegatronWorker
+from workers.roles.dpo_step import PreferenceMixin
 from workers.roles.lm import LMMixin
 from workers.roles.logits import vocab_parallel_logprobs
 from workers.roles.loss_config import PPOLossConfig
 from workers.roles.micro import forward_responses
 from workers.roles.optimize import Metrics, optimize_responses
-from workers.roles.preference import PreferenceMixin
 from workers.roles.routes import ROUTES_KEY
 from workers.roles.weights import put_buckets
 from workers.rollout.policy_mixin import RolloutSyncMixin

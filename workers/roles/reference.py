@@ -10,8 +10,8 @@ from __future__ import annotations
 from workers.batch import Batch
 from workers.dispatch import DP_COMPUTE, register
 from workers.roles.base import MegatronWorker
+from workers.roles.dpo_step import PairLogpsMixin
 from workers.roles.policy import LogprobMixin
-from workers.roles.preference import PairLogpsMixin
 
 
 class ReferenceWorker(LogprobMixin, PairLogpsMixin, MegatronWorker):

@@ -6,7 +6,7 @@ value at each row's last real token (the token HF's `*ForSequenceClassification`
 marks the padding, see `workers.roles.hf_export`).
 
 Pair batches (`train_step`, `eval_step`, `evaluate_pairs`): `chosen_input_ids`, `chosen_attention_mask`,
-`rejected_input_ids`, `rejected_attention_mask` [B, S] (`rlhf.data.preference.scored_pairs` makes them from
+`rejected_input_ids`, `rejected_attention_mask` [B, S] (`rlhf.data.preference_pairs.scored_pairs` makes them from
 the DPO pair layout). Their `micro_batch_size` counts pairs: a micro-batch of m pairs is one forward of 2m
 rows, chosen then rejected. The loss is `algorithms.bradley_terry_loss` summed over the pairs and divided by
 the global pair count (all DP ranks), so the update does not depend on the micro-batch count or DP size.

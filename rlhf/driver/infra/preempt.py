@@ -64,7 +64,7 @@ class StopSignals:
         self._watchdog.start()
 
     def _expired(self) -> None:
-        """Exit now, without Ray's shutdown: the embedded Ray's reaper (rlhf/driver/ray_reaper.py) ends its
+        """Exit now, without Ray's shutdown: the embedded Ray's reaper (rlhf/driver/infra/ray_reaper.py) ends its
         processes when this one is gone."""
         print(f"stopped: the step and its checkpoint took longer than trainer.stop_grace_s={self.grace_s:g} s; "
               "resume with --resume (from the last checkpoint)", file=sys.stderr, flush=True)

@@ -11,7 +11,7 @@ An embedded instance:
   Ray opens every folder it makes to all users (chmod 0777, again in each worker process that starts), so
   the closed folder above them is what keeps other users out of its sockets and logs;
 - has its token file (`~/.ray/auth_token`, or RAY_AUTH_TOKEN_PATH) readable by its owner only;
-- is ended with the driver: a reaper process (rlhf/driver/ray_reaper.py) kills what Ray started and removes
+- is ended with the driver: a reaper process (rlhf/driver/infra/ray_reaper.py) kills what Ray started and removes
   the driver's weight-sync files and scratch folder when the driver stops or dies, even by SIGKILL.
 """
 
@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 from rlhf.config.schema import TrainerConfig
-from rlhf.driver.ray_reaper import processes_of, start_reaper, stop_reaper
+from rlhf.driver.infra.ray_reaper import processes_of, start_reaper, stop_reaper
 
 CLUSTER_MODE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray keeps a loopback node address
 SCRATCH_PREFIX = "rlhf-eray-"

@@ -1,4 +1,4 @@
-"""The warm start of a vision-language policy: `warmstart.py`'s plain-PyTorch SFT loop for Qwen2-VL, whose
+"""The warm start of a vision-language policy: `hf_sft.py`'s plain-PyTorch SFT loop for Qwen2-VL, whose
 samples also carry images (the processor expands each image's token and computes its patches).
 
 Records are RL prompt records with `images` (rlhf.data.prompts: read from WebDataset shards): the prompt
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from rlhf.driver.warmstart import warm_start_optimizer, warm_start_update
+from rlhf.driver.warmstart.hf_sft import warm_start_optimizer, warm_start_update
 from workers.vision.images import prompt_images
 
 

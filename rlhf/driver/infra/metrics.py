@@ -17,7 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from workers.files import FileProblem, file_errors
+from workers.file_problems import FileProblem, file_errors
 
 if TYPE_CHECKING:
     from rlhf.config.schema import RunConfig

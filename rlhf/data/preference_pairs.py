@@ -14,7 +14,7 @@ rejected.
 
 Item: `{"chosen": sft item, "rejected": sft item}` (keys of `rlhf.data.sft.sample_tensors`). `collate_pairs`
 gives one row per pair: `chosen_<k>` and `rejected_<k>` for k in tokens, labels, loss_mask, position_ids,
-each [B, seq_length] (the layout of `workers.roles.preference`). `scored_pairs` turns that batch into the
+each [B, seq_length] (the layout of `workers.roles.dpo_step`). `scored_pairs` turns that batch into the
 reward model's (`workers.roles.reward_model`): each answer's whole sequence, prompt through the answer's end of
 turn (the last trained token; a chat template's text after it is not scored), as `<side>_input_ids` and
 `<side>_attention_mask` [B, seq_length + 1], right-padded with the pad id.

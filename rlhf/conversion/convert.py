@@ -15,7 +15,7 @@ from pathlib import Path
 from rlhf.errors import UserError
 from rlhf.paths import staged_output_dir
 from workers.dtypes import DTYPE_NAMES
-from workers.files import file_errors
+from workers.file_problems import file_errors
 from workers.megatron.hf_fields import cfg_get
 
 # Files of a HF model folder that are not weights (copied alongside converted weights).
@@ -104,7 +104,7 @@ def hf_to_mcore(
 ) -> Path:
     """Convert a HF folder into a converted megatron checkpoint folder (see workers.megatron.mcore_checkpoint),
     with TP*PP*EP ranks (EP splits the routed experts; the checkpoint loads at any EP)."""
-    from rlhf.checkpoint.rank_fns import hf_to_mcore_rank
+    from rlhf.conversion.rank_fns import hf_to_mcore_rank
     from workers.megatron.ckpt_key import load_key
     from workers.megatron.launch import run_distributed
     from workers.megatron.model_provider import DEFAULT_VOCAB_DIVISOR, padded_vocab_size
@@ -204,7 +204,7 @@ def mcore_to_hf(
     The checkpoint is loaded at TP `tp` / PP `pp` (any layout works: dist_checkpointing reshards); each
     pipeline stage streams its tensors into its own safetensors file (plus an index when pp > 1).
     """
-    from rlhf.checkpoint.rank_fns import mcore_to_hf_rank
+    from rlhf.conversion.rank_fns import mcore_to_hf_rank
     from workers.megatron.hf_weights import write_hf_index
     from workers.megatron.launch import run_distributed
     from workers.megatron.mcore_checkpoint import HF_SUBDIR, META_FILE

@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.config import RunConfig
-from rlhf.driver.checkpoints import (
+from rlhf.driver.infra.metrics import MetricsLogger
+from rlhf.driver.infra.resume_point import Unusable, read_pointer
+from rlhf.driver.infra.run_checkpoints import (
     CheckpointManager,
     check_resume,
     export_hf,
@@ -26,10 +28,8 @@ from rlhf.driver.checkpoints import (
     rng_state,
     set_rng_state,
 )
-from rlhf.driver.lm_data import build_lm_data, check_lm_inputs, tokenizer_path
-from rlhf.driver.metrics import MetricsLogger
-from rlhf.driver.resume_point import Unusable, read_pointer
-from rlhf.driver.scaffold import RunScaffold
+from rlhf.driver.infra.scaffold import RunScaffold
+from rlhf.driver.stages.lm_data import build_lm_data, check_lm_inputs, tokenizer_path
 from rlhf.errors import NonFiniteError, UserError
 
 FRESH_START = "start a new run with trainer.load=... trainer.no_load_optim=true"

@@ -3,8 +3,8 @@
 Bradley-Terry training of a scalar head on preference pairs (`algorithms.bradley_terry_loss`): the model of
 `model.path` (a causal LM, whose LM head is replaced by a value head, or a reward model) in a
 `RewardModelWorker` group with the `policy` section's layout, optimizer and micro batch (counted in pairs),
-on the pairs of the DPO stage (`rlhf.driver.pairs`: the same files, masking, validation, checkpoints and
-resume). Each answer is scored at its last token, the end of turn (`rlhf.data.preference.scored_pairs`),
+on the pairs of the DPO stage (`rlhf.driver.stages.pairs`: the same files, masking, validation, checkpoints and
+resume). Each answer is scored at its last token, the end of turn (`rlhf.data.preference_pairs.scored_pairs`),
 where a PPO / GRPO run serving it as `reward.model_path` reads a response's score.
 
 Metrics (train, and `val/` on the held-out pairs): loss, accuracy (the share of pairs whose chosen answer
@@ -18,8 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlhf.config import RunConfig
-from rlhf.driver.lm import run_stage
-from rlhf.driver.pairs import PairRun, build_pair_data
+from rlhf.driver.stages.lm import run_stage
+from rlhf.driver.stages.pairs import PairRun, build_pair_data
 from rlhf.errors import UserError
 from workers.batch import Batch
 
@@ -39,7 +39,7 @@ class RMRun(PairRun):
         return RewardModelWorker
 
     def _scored(self, batch: Batch) -> Batch:
-        from rlhf.data.preference import scored_pairs
+        from rlhf.data.preference_pairs import scored_pairs
 
         return Batch(scored_pairs(batch, self.data.train.pad_id))
 

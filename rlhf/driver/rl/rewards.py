@@ -10,8 +10,8 @@ import torch
 
 from algorithms.rewards import get_reward_fn, list_rewards
 from rlhf.config.schema import RewardConfig
-from rlhf.driver.reward_pool import Outcome, RewardPool
-from rlhf.driver.reward_worker import encode
+from rlhf.driver.rl.reward_pool import Outcome, RewardPool
+from rlhf.driver.rl.reward_worker import encode
 from rlhf.errors import ConfigError, UserError
 
 RewardCallable = Callable[[Any, str, Any], float]

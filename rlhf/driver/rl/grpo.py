@@ -8,8 +8,8 @@ import torch
 
 from algorithms.mismatch import logprob_mismatch, routing_disagreement, routing_disagreement_metrics
 from rlhf.config import RunConfig
-from rlhf.driver.advantages import add_advantages
-from rlhf.driver.context import StepContext, rollout_metrics
+from rlhf.driver.rl.advantages import add_advantages
+from rlhf.driver.rl.context import StepContext, rollout_metrics
 from rlhf.workflow import Roles, loss_config
 from workers.batch import Batch
 from workers.roles.routes import POLICY_ROUTES_KEY, ROUTES_KEY

@@ -15,10 +15,10 @@ import torch
 
 from algorithms import make_kl_controller
 from rlhf.config import RunConfig
-from rlhf.driver.checkpoints import check_resume, export_hf, resume_state, rng_state, set_rng_state
-from rlhf.driver.context import StepContext, accuracy
-from rlhf.driver.metrics import PhaseTimer
-from rlhf.driver.scaffold import RunScaffold
+from rlhf.driver.infra.metrics import PhaseTimer
+from rlhf.driver.infra.run_checkpoints import check_resume, export_hf, resume_state, rng_state, set_rng_state
+from rlhf.driver.infra.scaffold import RunScaffold
+from rlhf.driver.rl.context import StepContext, accuracy
 from rlhf.errors import NonFiniteError
 from rlhf.workflow import Roles
 
@@ -77,10 +77,10 @@ class NonFiniteGuard:
 
 def default_step_fn(cfg: RunConfig) -> StepFn:
     if cfg.algorithm.name == "ppo":
-        from rlhf.driver.ppo import ppo_step
+        from rlhf.driver.rl.ppo import ppo_step
 
         return ppo_step
-    from rlhf.driver.grpo import grpo_step
+    from rlhf.driver.rl.grpo import grpo_step
 
     return grpo_step
 
@@ -121,7 +121,7 @@ FRESH_START = ("start a new run from its policy weights: rlhf convert mcore-to-h
 def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
     """Train with `step_fn` (GRPO or PPO by default) and return the last metrics row."""
     from rlhf.data.prompts import PromptLoader
-    from rlhf.driver.prepare import load_rl_prompts, megatron_warm_start_due, warm_start_items
+    from rlhf.driver.warmstart.prepare import load_rl_prompts, megatron_warm_start_due, warm_start_items
 
     step_fn = step_fn or default_step_fn(cfg)
     t, d, a = cfg.trainer, cfg.data, cfg.algorithm
@@ -139,7 +139,7 @@ def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
             state = run.ckpt.driver_state(resume_from)
             check_resume(state, cfg, resume_from, FRESH_START)
         if megatron_warm_start_due(cfg, run.out):
-            from rlhf.driver.warmstart_megatron import megatron_warm_start
+            from rlhf.driver.warmstart.megatron_sft import megatron_warm_start
 
             cfg.model.path = str(megatron_warm_start(cfg, run.out, warm_start_items(cfg, run.out),
                                                      [(p["prompt"] or p["messages"], p["ground_truth"]) for p in val]))

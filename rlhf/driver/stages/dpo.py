@@ -1,6 +1,6 @@
 """The DPO runner: `run_dpo(cfg)` for `algorithm.name: dpo` (losses sigmoid | ipo | simpo | orpo, `algorithm.dpo`).
 
-The policy is the SFT stage's worker group fed preference pairs (`rlhf.driver.pairs`: data, run loop,
+The policy is the SFT stage's worker group fed preference pairs (`rlhf.driver.stages.pairs`: data, run loop,
 metrics); each micro-batch of m pairs is one forward of 2m sequences.
 
 Reference log-probs (the reference-free SimPO and ORPO need none: no pass, no group), `algorithm.dpo.reference`:
@@ -15,7 +15,7 @@ Both give the same numbers.
 
 Metrics (train, and `val/` on the held-out pairs): loss, rewards/{chosen,rejected,margin,accuracy},
 logps/{chosen,rejected}, nll/chosen and greedy_accuracy, the fraction of pairs whose chosen answer greedy
-decoding would produce (`workers.roles.preference`); ORPO adds orpo/or_loss, its odds-ratio term (its rewards
+decoding would produce (`workers.roles.dpo_step`); ORPO adds orpo/or_loss, its odds-ratio term (its rewards
 are the answers' log odds).
 """
 
@@ -31,8 +31,8 @@ import torch
 
 from algorithms import REFERENCE_FREE_LOSSES
 from rlhf.config import RunConfig
-from rlhf.driver.lm import global_batch_size, resolve_checkpoint, run_stage
-from rlhf.driver.pairs import PairData, PairRun, build_pair_data
+from rlhf.driver.stages.lm import global_batch_size, resolve_checkpoint, run_stage
+from rlhf.driver.stages.pairs import PairData, PairRun, build_pair_data
 from rlhf.errors import UserError
 from workers.batch import Batch
 from workers.config import build

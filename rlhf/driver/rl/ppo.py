@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from rlhf.driver.advantages import add_advantages
-from rlhf.driver.context import StepContext, rollout_metrics
-from rlhf.driver.grpo import add_logprobs, generate_and_score
+from rlhf.driver.rl.advantages import add_advantages
+from rlhf.driver.rl.context import StepContext, rollout_metrics
+from rlhf.driver.rl.grpo import add_logprobs, generate_and_score
 from rlhf.workflow import Roles, loss_config, value_loss_config
 from workers.rollout.digest import DIGEST_METRICS
 

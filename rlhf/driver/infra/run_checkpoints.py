@@ -7,7 +7,7 @@ Layout under `<output_dir>/checkpoints/`:
                           with the signed manifest that loading checks first (workers/megatron/ckpt_manifest.py)
   latest                  text file naming the newest finished checkpoint folder (a name in this folder only)
 A crash while saving leaves a `tmp-*` folder that is ignored and removed on the next save. A resume continues
-from `latest`, or from the newest intact step when `latest` is unusable (rlhf/driver/resume_point.py); a save
+from `latest`, or from the newest intact step when `latest` is unusable (rlhf/driver/infra/resume_point.py); a save
 never deletes a step folder: a save that meets an existing one (left there before this resume) renames it
 `step-N.replaced-<time>-<pid>` first.
 """
@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from rlhf.config import RunConfig
-from rlhf.driver.resume_point import Unusable, choose_resume_point, read_driver_state
+from rlhf.driver.infra.resume_point import Unusable, choose_resume_point, read_driver_state
 from rlhf.errors import UserError
-from workers.files import FileProblem, os_cause
+from workers.file_problems import FileProblem, os_cause
 
 
 def rng_state() -> dict[str, Any]:
@@ -101,7 +101,7 @@ class CheckpointManager:
 
     def resume_point(self, trust: bool) -> tuple[Path | None, str | None]:
         """The checkpoint a resumed run continues from and, when `latest` was unusable, the line saying which
-        step is used instead (`rlhf.driver.resume_point`); (None, None) when the run holds none."""
+        step is used instead (`rlhf.driver.infra.resume_point`); (None, None) when the run holds none."""
         return choose_resume_point(self.root, trust)
 
     def save(self, step: int, driver_state: dict[str, Any], write_roles: Callable[[Path], None]) -> Path:

@@ -1,5 +1,5 @@
 """The RL warm start on the policy's own backend (`model.warm_start_backend: megatron`): the same short SFT as
-the plain-transformers loop (`rlhf.driver.warmstart`: the task's (prompt, answer) pairs, loss on the answer
+the plain-transformers loop (`rlhf.driver.warmstart.hf_sft`: the task's (prompt, answer) pairs, loss on the answer
 and the end of turn, `model.warm_start_batch` random pairs per step, warmup then linear decay to a tenth of
 `model.warm_start_lr`, clipping at 1), but run by a policy worker group at the policy's parallel layout
 (TP, EP, DP) on the Megatron engine, before the RL roles start. The result is exported as an HF folder
@@ -46,8 +46,8 @@ def megatron_warm_start(cfg: RunConfig, run_dir: Path, items: list, held_out: li
     `model.warm_start_target_accuracy`, every TARGET_EVERY steps from halfway through the weights are exported
     and greedy-decoded on the `held_out` (prompt, answer) pairs; the first export at or above the target ends
     the warm start."""
-    from rlhf.driver.prepare import rollout_tool_schemas
-    from rlhf.driver.warmstart import _encode_item, greedy_accuracy
+    from rlhf.driver.warmstart.hf_sft import _encode_item, greedy_accuracy
+    from rlhf.driver.warmstart.prepare import rollout_tool_schemas
     from rlhf.workflow import role_group
     from workers.roles import PolicyWorker
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from workers.files import file_errors
+from workers.file_problems import file_errors
 
 
 def hf_to_mcore_rank(hf_dir: str, out_dir: str, dtype_name: str, padded_vocab: int) -> None:

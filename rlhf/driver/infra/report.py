@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlhf.driver.metrics import read_metrics
+from rlhf.driver.infra.metrics import read_metrics
 from rlhf.paths import staged_output_file
 
 PANELS = (

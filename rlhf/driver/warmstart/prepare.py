@@ -104,7 +104,7 @@ def _model(cfg: RunConfig, out: Path) -> None:
     if m.warm_start_steps > 0 and m.warm_start_backend == "megatron" and cfg.algorithm.name in ("grpo", "ppo"):
         if not cfg.data.task:
             raise ConfigError("model.warm_start_steps needs data.task (the task's Q/A pairs to fine-tune on)")
-        return  # run_rl trains it once Ray is up (rlhf.driver.warmstart_megatron)
+        return  # run_rl trains it once Ray is up (rlhf.driver.warmstart.megatron_sft)
     if m.warm_start_steps > 0 and cfg.algorithm.name in ("grpo", "ppo", *PAIR_STAGES):
         warm = out / "model" / f"warm_start_{m.warm_start_steps}"
         if not (warm / "model.safetensors").is_file():
@@ -114,13 +114,13 @@ def _model(cfg: RunConfig, out: Path) -> None:
             tmp = warm.with_name(warm.name + ".tmp")
             if is_vision_language(str(base)):  # image prompts: the Qwen2-VL loop, on the RL records with images
                 from rlhf.data.prompts import load_prompt_dataset
-                from rlhf.driver.warmstart_vl import vl_sft_warm_start
+                from rlhf.driver.warmstart.vl_sft import vl_sft_warm_start
 
                 records, _ = load_prompt_dataset(cfg.data.train_file, seed=cfg.data.seed)
                 vl_sft_warm_start(base, records, tmp, steps=m.warm_start_steps, batch_size=m.warm_start_batch,
                                   lr=m.warm_start_lr, seed=cfg.trainer.seed)
             else:
-                from rlhf.driver.warmstart import sft_warm_start
+                from rlhf.driver.warmstart.hf_sft import sft_warm_start
 
                 pairs = warm_start_items(cfg, out)
                 sft_warm_start(base, pairs, tmp, steps=m.warm_start_steps, batch_size=m.warm_start_batch,
@@ -239,7 +239,7 @@ def prepare_inputs(cfg: RunConfig) -> RunConfig:
     if cfg.data.task and not cfg.data.train_file:
         _task_data(cfg, out)
     if rl:
-        from rlhf.driver.rewards import check_reward_fn
+        from rlhf.driver.rl.rewards import check_reward_fn
 
         if cfg.reward.fn:  # also beside reward.model_path: it scores validation
             check_reward_fn(cfg.reward)
@@ -253,7 +253,7 @@ def prepare_inputs(cfg: RunConfig) -> RunConfig:
         load_rl_prompts(cfg, report=False, check_lengths=False)  # a bad file fails before any model work
         _check_eval_tasks(cfg)
     if cfg.algorithm.name in PAIR_STAGES:  # a bad pair (chosen == rejected, empty answer) fails before model work
-        from rlhf.driver.pairs import check_pair_files
+        from rlhf.driver.stages.pairs import check_pair_files
 
         check_pair_files(cfg)
     _model(cfg, out)

@@ -1,6 +1,6 @@
 """What the preference stages share (`algorithm.name: dpo | rm`): their pairs and their run loop.
 
-Pairs come from `data.train_file` (jsonl, `rlhf.data.preference`), validation from `data.val_file` or
+Pairs come from `data.train_file` (jsonl, `rlhf.data.preference_pairs`), validation from `data.val_file` or
 `data.val_size` pairs held out of it; a bad record fails with one line naming file:line before any model
 work (`check_pair_files`). A step takes `trainer.global_batch_size` pairs (micro batch x gradient
 accumulation x DP, counted in pairs). `PairRun` is the LM stage's run (`LMRun`: layouts, optimizer, schedule,
@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from rlhf.config import RunConfig
-from rlhf.driver.lm import LMRun
-from rlhf.driver.lm_data import SampleOrder, _field, tokenizer_path
+from rlhf.driver.stages.lm import LMRun
+from rlhf.driver.stages.lm_data import SampleOrder, _field, tokenizer_path
 from rlhf.errors import UserError
 from workers.batch import Batch
 
@@ -62,7 +62,7 @@ class PairData:
 def check_pair_files(cfg: RunConfig) -> None:
     """Parse every record of the pair files (no tokenizer): a bad line fails before any model work."""
     from rlhf.data.jsonl import check_input_file, read_jsonl
-    from rlhf.data.preference import parse_pair
+    from rlhf.data.preference_pairs import parse_pair
 
     d = cfg.data
     if not d.train_file:
@@ -79,7 +79,7 @@ def check_pair_files(cfg: RunConfig) -> None:
 def build_pair_data(cfg: RunConfig) -> PairData:
     """The run's pairs, tokenised (UserError naming file:line on a bad record)."""
     from rlhf.data.checks import check_seq_length
-    from rlhf.data.preference import PairDataset
+    from rlhf.data.preference_pairs import PairDataset
     from rlhf.data.tokenizer import load_tokenizer
 
     d = cfg.data

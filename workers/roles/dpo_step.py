@@ -1,6 +1,6 @@
 """The DPO step of the policy worker (`PreferenceMixin`): preference losses on chosen / rejected pairs.
 
-Batch layout (one row per pair, what `rlhf.data.preference.collate_pairs` produces): `chosen_<k>` and
+Batch layout (one row per pair, what `rlhf.data.preference_pairs.collate_pairs` produces): `chosen_<k>` and
 `rejected_<k>` for k in tokens, labels, loss_mask, position_ids, [B, S] each (the LM layout of
 `workers.roles.lm`, loss_mask on the answer tokens); with a reference, `ref_chosen_logps` and
 `ref_rejected_logps` [B] (summed over the answer tokens).

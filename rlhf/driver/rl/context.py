@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from rlhf.config.schema import RunConfig
-from rlhf.driver.metrics import PhaseTimer
+from rlhf.driver.infra.metrics import PhaseTimer
 from workers.batch import Batch
 
 

@@ -1,6 +1,6 @@
 """No lost history: a folder that holds a run is continued (`--resume`) or moved aside (`--force`), never
-overwritten in place. A resumed run keeps every earlier metrics row (rlhf.driver.metrics.mark_resume) and
-every step folder (rlhf.driver.checkpoints)."""
+overwritten in place. A resumed run keeps every earlier metrics row (rlhf.driver.infra.metrics.mark_resume) and
+every step folder (rlhf.driver.infra.run_checkpoints)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Calls run on `workers` processes at once (a slow reward does not serialize the batch). A call past
 `timeout_s` is ended by killing its process, which is replaced; a process that dies (the function exited
-or crashed) is replaced too. Requests and replies are JSON lines (rlhf/driver/reward_worker.py): nothing
+or crashed) is replaced too. Requests and replies are JSON lines (rlhf/driver/rl/reward_worker.py): nothing
 the user's code produces is unpickled in the driver. The processes ignore SIGINT and SIGTERM and run in
 their own session, so a stop signal to the whole job (a terminal's Ctrl-C, Slurm, `ray job stop`) leaves
 them to score the step the driver finishes; the driver ends them (`shutdown`), and they die with it.
@@ -52,7 +52,7 @@ class _Proc:
         # In its own session: a signal to the driver's process group (Ctrl-C, `ray job stop`) is the driver's
         # to handle, and the step it finishes before stopping still needs its rewards; the driver ends these.
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "rlhf.driver.reward_worker", spec, json.dumps(sys.path), json.dumps(opts)],
+            [sys.executable, "-m", "rlhf.driver.rl.reward_worker", spec, json.dumps(sys.path), json.dumps(opts)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, bufsize=0, start_new_session=True)
         assert self.popen.stdout is not None and self.popen.stdin is not None
         self.fd = self.popen.stdout.fileno()

@@ -20,13 +20,13 @@ from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
 from rlhf.config import RunConfig, save_config
-from rlhf.driver.checkpoints import CheckpointManager
-from rlhf.driver.metrics import MetricsLogger, mark_resume, wandb_args
-from rlhf.driver.preempt import StopSignals
-from rlhf.driver.ray_env import EmbeddedRay, init_ray
-from rlhf.driver.report import write_report
-from rlhf.driver.run_dir import refuse_unclaimed
-from rlhf.driver.shared_dir import check_shared_run_dir
+from rlhf.driver.infra.metrics import MetricsLogger, mark_resume, wandb_args
+from rlhf.driver.infra.preempt import StopSignals
+from rlhf.driver.infra.ray_env import EmbeddedRay, init_ray
+from rlhf.driver.infra.report import write_report
+from rlhf.driver.infra.run_checkpoints import CheckpointManager
+from rlhf.driver.infra.run_dir import refuse_unclaimed
+from rlhf.driver.infra.shared_dir import check_shared_run_dir
 from rlhf.errors import Stopped
 from workers.megatron.ckpt_key import load_key
 

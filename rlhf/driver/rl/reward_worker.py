@@ -1,4 +1,4 @@
-"""A reward process: `python -m rlhf.driver.reward_worker SPEC SYS_PATH_JSON [OPTIONS_JSON]` scores samples with
+"""A reward process: `python -m rlhf.driver.rl.reward_worker SPEC SYS_PATH_JSON [OPTIONS_JSON]` scores samples with
 the user's `module:function` outside the driver. One JSON object per line each way (no pickle): requests
 `{"i": k, "args": [prompt, response, ground_truth]}` on stdin; replies `{"i": k, "value": x}`,
 `{"i": k, "bad": "returned str 'abc'"}` or `{"i": k, "error": "ValueError: ..."}` on the original stdout. The

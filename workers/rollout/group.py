@@ -235,6 +235,15 @@ class RolloutGroup:
                 self.in_flight[i] += tokens[-1]
         return PendingGenerate(self, method, calls, starts, ranks, tokens)
 
+    def complete(self, requests: list[dict[str, Any]], sampling: SamplingConfig | dict | None = None
+                 ) -> list[dict[str, Any]]:
+        """See `RolloutWorker.complete`: the requests are split evenly across the engines, in order."""
+        n, k = len(requests), self.num_engines
+        bounds = [round(i * n / k) for i in range(k + 1)]
+        ranks = [i for i in range(k) if bounds[i + 1] > bounds[i]]
+        handles = [self._submit(i, "complete", requests[bounds[i]:bounds[i + 1]], sampling) for i in ranks]
+        return [r for part in self._wait(handles, ranks, "complete") for r in part]
+
     def score_all(self, sequences: list[list[int]]) -> list[list[list[float]]]:
         """Every engine's logprobs of `sequences` (tokens after the first)."""
         return self._all("score", sequences)

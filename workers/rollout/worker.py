@@ -18,7 +18,7 @@ from workers.rollout import route_capture
 from workers.rollout.config import EngineConfig, cuda_available, is_vision_language, llm_kwargs, prepare_env
 from workers.rollout.control import SyncEndpoint
 from workers.rollout.cpu import engine_ops
-from workers.rollout.prompts import as_batch, build_output, normalise
+from workers.rollout.prompts import as_batch, build_output, normalise, sampled_logprobs
 from workers.rollout.sampling import SamplingConfig, as_sampling
 from workers.rollout.transport import SyncSession, receive_on_vllm_worker
 
@@ -219,6 +219,31 @@ class RolloutWorker:
             out.meta["env_reward"] = [AGGREGATIONS[opts.env_reward](t.rewards) for t in trajs]
         out.info.update({**metrics, "rollout/total_s": time.perf_counter() - t0,
                          "rollout/response_tokens": int(out.tensors["response_mask"].sum())})
+        return out
+
+    def complete(self, requests: Sequence[dict[str, Any]], sampling: SamplingConfig | dict | None = None
+                 ) -> list[dict[str, Any]]:
+        """One sample per request, token in, token out (the OpenAI-compatible endpoint's backend,
+        workers/endpoint/): each request `{"prompt_ids": [...], "max_tokens": int, "stop": [str] | None,
+        "seed": int | None}` is sampled with `sampling`'s temperature, top_p and top_k (the run's, so the
+        log-probs are the training distribution's). Returns per request `token_ids` (as sampled, end-of-turn
+        token included), `logprobs` (the sampled tokens'), `text` and `finish_reason`."""
+        sp = as_sampling(sampling).with_(n=1, seed=None)  # one seed for all would give every session one sample
+        self._check_awake()
+        params = []
+        for r in requests:
+            one = sp.with_(max_tokens=int(r["max_tokens"]), stop=list(r.get("stop") or []))
+            p = one.to_vllm(seed=r.get("seed"))
+            p.detokenize = True  # the text goes back to the agent
+            params.append(p)
+        reqs = [{"prompt_token_ids": [int(t) for t in r["prompt_ids"]]} for r in requests]
+        results = self.llm.generate(reqs, params, use_tqdm=False, lora_request=self.lora_request) if reqs else []
+        out = []
+        for res in results:
+            c = res.outputs[0]
+            toks = [int(t) for t in c.token_ids]
+            out.append({"token_ids": toks, "logprobs": sampled_logprobs(c.logprobs, toks), "text": c.text,
+                        "finish_reason": c.finish_reason or "length"})
         return out
 
     def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:

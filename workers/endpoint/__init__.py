@@ -1,0 +1,1 @@
+"""An OpenAI-compatible endpoint over the rollout engines, for agents written against the `openai` client."""

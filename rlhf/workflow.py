@@ -209,12 +209,16 @@ class RolloutHandle:
         self._prefetched: tuple[Any, Any, int, Callable[[Batch], Batch] | None] | None = None
         self.buffer = buffer
         self._metrics: dict[str, float] = {}
+        self.agents: Any = None  # rollout.openai_agent: agent sessions instead (rlhf/driver/rl/openai_agents.py)
 
     def generate(self, prompts: list[dict[str, Any]] | Batch, score: Callable[[Batch], Batch] | None = None,
                  **sampling: Any) -> Batch:
         """Sample responses for prompt records (`messages` or `prompt`, plus `ground_truth`) or a prompt Batch;
         with rollout.tools, multi-turn trajectories with tool calls. With `score` (e.g. `roles.reward`) each
         engine's samples are scored as they return, while the other engines still generate."""
+        if self.agents is not None:  # rows tagged with the versions their calls ran on
+            return self.agents.run(prompts, self.sampling.with_(**sampling) if sampling else self.sampling, score,
+                                   self.version)
         return self._tagged(self._start(prompts, sampling).result(score), self.version)
 
     def prefetch(self, prompts: list[dict[str, Any]], score: Callable[[Batch], Batch] | None = None,
@@ -229,6 +233,8 @@ class RolloutHandle:
         `score` as in `generate`. In async mode: as many complete groups as `prompts` from the buffer, which
         queues `prompts` and calls `draw()` for more prompts when it runs short (the loader's next batch); the
         buffer scores groups as they finish with the run's reward."""
+        if self.agents is not None:  # agent sessions: sync only (rlhf/config/validate.py)
+            return self.generate(prompts, score, **sampling)
         if self.buffer is not None:
             if draw is None:
                 raise ValueError("rollout.mode=async: take needs draw (a function giving more prompt records)")
@@ -289,6 +295,8 @@ class RolloutHandle:
         return stats
 
     def shutdown(self) -> None:
+        if self.agents is not None:
+            self.agents.shutdown()
         self.group.shutdown()
 
 
@@ -314,6 +322,14 @@ def _rollout_handle(cfg: RunConfig, run_dir: Path, temp: float, pool: Any = None
     if r.mode == "async":
         handle.buffer = AsyncRollout(group.start_generate, prompt_encoder(cfg.model.tokenizer_path or cfg.model.path),
                                      sampling, r.partial_tokens, r.max_staleness)
+    if r.openai_agent:
+        from rlhf.driver.rl.openai_agents import AgentRollout
+
+        try:
+            handle.agents = AgentRollout(cfg, group)
+        except BaseException:
+            group.shutdown()
+            raise
     return handle
 
 

@@ -99,6 +99,15 @@ class RolloutConfig(SamplingConfig, EngineOptions, SyncOptions, AgentOptions):
     # and sleeps (frees its KV cache and weights) while the policy trains, waking before the sync. On CPU
     # sleep and wake are no-ops, but the placement and the calls are the same. null: a pool of their own.
     colocate_with: str | None = None
+    # An agent of your own instead of the built-in rollout: `module:function`, run(client, task) -> reward | None,
+    # called for n sessions per prompt in agent_workers processes (each call within agent_timeout_s, its
+    # processes within agent_memory_mb) with an `openai.OpenAI` client of the run's OpenAI-compatible endpoint
+    # and the prompt record; None: reward.fn scores the session's last answer. A session samples at most
+    # max_turns completions and max_total_tokens tokens. docs/recipes/openai-agents.md
+    openai_agent: str | None = None
+    agent_timeout_s: float = 120.0
+    agent_workers: int = 4
+    agent_memory_mb: int = 4096
 
 
 @dataclass

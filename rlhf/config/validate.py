@@ -302,6 +302,7 @@ def validate_config(cfg: RunConfig) -> None:
     _require(t.val_every >= 0, "trainer.val_every", "an integer >= 0", t.val_every)
     _check_eval(cfg)
     _check_tools(cfg)
+    _check_openai_agent(cfg)
     _choice(cfg.model.warm_start_backend, "model.warm_start_backend", ("hf", "megatron"))
     if cfg.model.warm_start_backend == "megatron" and a.name not in ("grpo", "ppo"):
         raise ConfigError(f"model.warm_start_backend=megatron: the Megatron warm start runs before RL (grpo, ppo); "
@@ -554,6 +555,33 @@ def _check_tools(cfg: RunConfig) -> None:
         load_tools(list(r.tools))
     except (ValueError, ImportError, AttributeError) as e:
         raise ConfigError(f"rollout.tools: {e}") from None
+
+
+def _check_openai_agent(cfg: RunConfig) -> None:
+    """rollout.openai_agent and its settings (its module is imported in an agent process before any worker
+    starts: rlhf/driver/warmstart/prepare.py)."""
+    r = cfg.rollout
+    if not r.openai_agent:
+        return
+    if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", r.openai_agent):
+        raise ConfigError(f"rollout.openai_agent: expected module:function (e.g. examples.agents.openai_agent:run), "
+                          f"got {r.openai_agent!r}")
+    if r.tools or r.env:
+        which = "rollout.tools" if r.tools else "rollout.env"
+        raise ConfigError(f"rollout.openai_agent with {which}: your agent runs its own tool loop; drop {which}")
+    if r.mode != "sync":
+        raise ConfigError(f"rollout.openai_agent: agent sessions run with rollout.mode=sync (got {r.mode})")
+    if cfg.algorithm.name != "grpo":
+        raise ConfigError(f"rollout.openai_agent: agent sessions train with algorithm.name=grpo (got "
+                          f"{cfg.algorithm.name})")
+    _require(r.agent_timeout_s > 0, "rollout.agent_timeout_s", "seconds > 0 (per agent session)", r.agent_timeout_s)
+    _require(r.agent_workers >= 1, "rollout.agent_workers", "an integer >= 1 (agent processes)", r.agent_workers)
+    _require(r.agent_memory_mb >= 64, "rollout.agent_memory_mb", "megabytes >= 64 (per agent process)",
+             r.agent_memory_mb)
+    _require(r.max_turns >= 1, "rollout.max_turns", "an integer >= 1 (completions per agent session)", r.max_turns)
+    _require(r.max_total_tokens >= r.max_tokens, "rollout.max_total_tokens",
+             f"at least rollout.max_tokens={r.max_tokens} (the tokens an agent session may sample)",
+             r.max_total_tokens)
 
 
 def _check_eval(cfg: RunConfig) -> None:

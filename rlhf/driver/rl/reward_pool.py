@@ -1,4 +1,6 @@
-"""`RewardPool`: a user's `module:function` reward scored in separate processes, each call bounded in time.
+"""`RewardPool`: a user's `module:function` called in separate processes, each call bounded in time: a reward
+(`mode="reward"`: `fn(prompt, response, ground_truth)`) or an agent (`mode="agent"`: `fn(client, task)`
+with an `openai.OpenAI` client the process builds, rlhf/driver/rl/openai_agents.py).
 
 Calls run on `workers` processes at once (a slow reward does not serialize the batch). A call past
 `timeout_s` is ended by killing its process, which is replaced; a process that dies (the function exited
@@ -35,7 +37,8 @@ KILL_TIMEOUT_S = 10.0  # for a killed process tree to be reaped
 
 @dataclass
 class Outcome:
-    """One sample's result: `value` (a finite float), or `kind` ("error" | "timeout") and `message`."""
+    """One call's result: `value` (a finite float), or `kind` ("error" | "timeout", or "none": an agent
+    returned None) and `message`."""
 
     value: float | None = None
     kind: str = "ok"
@@ -45,10 +48,11 @@ class Outcome:
 class _Proc:
     """One reward process and the bytes of its reply stream not yet split into lines."""
 
-    def __init__(self, spec: str, memory_mb: int) -> None:
-        self.memory_mb = memory_mb
-        self.group = cgroup.create("reward", memory_mb)
-        opts = {"caller": os.getpid(), "cgroup": self.group.path if self.group else None, "memory_mb": memory_mb}
+    def __init__(self, spec: str, memory_mb: int, mode: str = "reward", memory_name: str = "reward.memory_mb") -> None:
+        self.memory_mb, self.memory_name = memory_mb, memory_name
+        self.group = cgroup.create(mode, memory_mb)
+        opts = {"caller": os.getpid(), "cgroup": self.group.path if self.group else None, "memory_mb": memory_mb,
+                "mode": mode}
         # In its own session: a signal to the driver's process group (Ctrl-C, `ray job stop`) is the driver's
         # to handle, and the step it finishes before stopping still needs its rewards; the driver ends these.
         self.popen = subprocess.Popen(
@@ -79,7 +83,7 @@ class _Proc:
     def death(self, code: int) -> str:
         """Why the process exited with `code`: the memory bound when the kernel killed it for that."""
         if self.group is not None and self.group.oom_kills() > 0:
-            return (f"killed for memory: its processes went over reward.memory_mb={self.memory_mb} "
+            return (f"killed for memory: its processes went over {self.memory_name}={self.memory_mb} "
                     f"(exit code {code})")
         return f"its process exited (code {code})"
 
@@ -100,8 +104,15 @@ class _Proc:
 
 
 class RewardPool:
-    def __init__(self, spec: str, workers: int, timeout_s: float, memory_mb: int) -> None:
+    """`workers` processes of `spec`; `field` names the setting in messages (its `.timeout_s` and `.memory_mb`
+    siblings too: `field="rollout.openai_agent"` names `rollout.agent_timeout_s`, `rollout.agent_memory_mb`)."""
+
+    def __init__(self, spec: str, workers: int, timeout_s: float, memory_mb: int, mode: str = "reward",
+                 field: str = "reward.fn") -> None:
         self.spec, self.workers, self.timeout_s, self.memory_mb = spec, max(1, workers), timeout_s, memory_mb
+        self.mode, self.field = mode, field
+        prefix = field.rsplit(".", 1)[0] + (".agent_" if mode == "agent" else ".")
+        self.timeout_name, self.memory_name = prefix + "timeout_s", prefix + "memory_mb"
         self._procs: list[_Proc] = []
 
     def start(self) -> None:
@@ -112,33 +123,33 @@ class RewardPool:
 
     def _start(self) -> _Proc:
         """A new process, once it has imported the function; UserError (one line) if it cannot."""
-        proc = _Proc(self.spec, self.memory_mb)
+        proc = _Proc(self.spec, self.memory_mb, self.mode, self.memory_name)
         deadline = time.monotonic() + max(START_TIMEOUT_S, self.timeout_s)
         while True:
             left = deadline - time.monotonic()
             ready, _, _ = select.select([proc.fd], [], [], max(0.0, left))
             if not ready:
                 proc.kill()
-                raise UserError(f"reward.fn {self.spec}: its process did not import the function within "
+                raise UserError(f"{self.field} {self.spec}: its process did not import the function within "
                                 f"{max(START_TIMEOUT_S, self.timeout_s):g} s")
             lines = proc.lines()
             if lines is None:
                 code = proc.popen.wait(timeout=KILL_TIMEOUT_S)
                 why = proc.death(code)
                 proc.kill()
-                raise UserError(f"reward.fn {self.spec}: {why} before it was ready")
+                raise UserError(f"{self.field} {self.spec}: {why} before it was ready")
             for reply in lines:
                 if reply.get("ready"):
                     return proc
                 proc.kill()
-                raise UserError(f"reward.fn {reply.get('error', self.spec)}")
+                raise UserError(f"{self.field} {reply.get('error', self.spec)}")
 
     def _replace(self, proc: _Proc) -> None:
         proc.kill()
         self._procs[self._procs.index(proc)] = self._start()
 
-    def score(self, samples: list[tuple[Any, Any, Any]]) -> list[Outcome]:
-        """One Outcome per `(prompt, response, ground_truth)`, in order."""
+    def score(self, samples: list[tuple[Any, ...]]) -> list[Outcome]:
+        """One Outcome per call's arguments (a reward's `(prompt, response, ground_truth)`), in order."""
         while len(self._procs) < min(self.workers, len(samples)):
             self._procs.append(self._start())
         results: list[Outcome | None] = [None] * len(samples)
@@ -175,7 +186,7 @@ class RewardPool:
                             results[i] = _outcome(reply)
                             proc.task = None
                 elif now - started >= self.timeout_s:
-                    results[i] = Outcome(kind="timeout", message=f"took longer than reward.timeout_s={self.timeout_s:g}")
+                    results[i] = Outcome(kind="timeout", message=f"took longer than {self.timeout_name}={self.timeout_s:g}")
                     proc.task = None
                     self._replace(proc)
         return [r if r is not None else Outcome(kind="error", message="no reply") for r in results]
@@ -189,4 +200,6 @@ class RewardPool:
 def _outcome(reply: dict[str, Any]) -> Outcome:
     if "value" in reply:
         return Outcome(value=float(reply["value"]))
+    if reply.get("none"):
+        return Outcome(kind="none")
     return Outcome(kind="error", message=str(reply.get("bad") or f"raised {reply.get('error')}"))

@@ -1,7 +1,10 @@
 """A reward process: `python -m rlhf.driver.rl.reward_worker SPEC SYS_PATH_JSON [OPTIONS_JSON]` scores samples with
 the user's `module:function` outside the driver. One JSON object per line each way (no pickle): requests
 `{"i": k, "args": [prompt, response, ground_truth]}` on stdin; replies `{"i": k, "value": x}`,
-`{"i": k, "bad": "returned str 'abc'"}` or `{"i": k, "error": "ValueError: ..."}` on the original stdout. The
+`{"i": k, "bad": "returned str 'abc'"}` or `{"i": k, "error": "ValueError: ..."}` on the original stdout. With
+OPTIONS_JSON `"mode": "agent"` the function is an agent, `fn(client, task) -> reward | None`: requests carry
+`[base_url, api_key, timeout_s, task]`, the process builds the `openai.OpenAI` client, and None replies
+`{"i": k, "none": true}`. The
 user's prints go to stderr, so they cannot garble the replies. Only the standard library is imported here,
 so a process starts in a fraction of a second.
 
@@ -99,6 +102,15 @@ def encode(value: Any) -> dict[str, Any]:
     return {"bad": f"returned {type(value).__name__} {text[:60] + ('...' if len(text) > 60 else '')}"}
 
 
+def _call_agent(fn: Any, base_url: str, api_key: str, timeout_s: float, task: Any) -> dict[str, Any]:
+    """Run an agent on one task with a client of the endpoint; its reward, or None (scored by reward.fn)."""
+    import openai
+
+    with openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout_s, max_retries=0) as client:
+        value = fn(client, task)
+    return {"none": True} if value is None else encode(value)
+
+
 def _send(out: IO[str], obj: dict[str, Any]) -> None:
     out.write(json.dumps(obj) + "\n")
     out.flush()
@@ -124,6 +136,7 @@ def main() -> int:
         sys.stdout.write(json.dumps({"error": f"cannot bound the reward process's memory: {e}"}) + "\n")
         return 1
     spec, path = sys.argv[1], json.loads(sys.argv[2])
+    agent = opts.get("mode") == "agent"
     sys.path[:0] = [p for p in path if p not in sys.path]
     out = os.fdopen(os.dup(1), "w")  # the reply channel
     os.dup2(2, 1)  # the user's prints go to stderr
@@ -139,7 +152,7 @@ def main() -> int:
     for line in sys.stdin:
         req = json.loads(line)
         try:
-            reply = encode(fn(*req["args"]))
+            reply = _call_agent(fn, *req["args"]) if agent else encode(fn(*req["args"]))
         except Exception as e:  # noqa: BLE001 - the driver scores it by reward.on_error
             reply = {"error": f"{type(e).__name__}: {e}"}
         _send(out, {"i": req["i"], **reply})

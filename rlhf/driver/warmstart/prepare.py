@@ -243,6 +243,10 @@ def prepare_inputs(cfg: RunConfig) -> RunConfig:
 
         if cfg.reward.fn:  # also beside reward.model_path: it scores validation
             check_reward_fn(cfg.reward)
+        if cfg.rollout.openai_agent:
+            from rlhf.driver.rl.openai_agents import check_agent_fn
+
+            check_agent_fn(cfg.rollout)
         if cfg.reward.model_path and not (Path(cfg.reward.model_path) / "config.json").is_file():
             raise ConfigError(f"reward.model_path: {cfg.reward.model_path} is not an HF model folder (no config.json); "
                               f"train a reward model with algorithm.name=rm (e.g. configs/rm_tiny.yaml), which "

@@ -48,7 +48,7 @@ for p in psutil.Process().children(recursive=True):
     except psutil.Error:
         pass
 node_ip = ray.util.get_node_ip_address()
-import urllib.request  # the metrics export port answers without the token (as the README says)
+import urllib.request  # the metrics export port answers without the token (as docs/security.md says)
 port = ray._private.worker._global_node.metrics_export_port
 metrics_open = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).status == 200
 temp_dir = str(own.temp_dir)
@@ -74,7 +74,7 @@ def test_embedded_ray_listens_on_loopback_only(where, tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         res = json.loads(proc.stdout.split("RESULT ", 1)[1])
         assert res["node_ip"] == "127.0.0.1"
-        assert res["metrics_open"], "the README says the metrics export port answers without a token"
+        assert res["metrics_open"], "docs/security.md says the metrics export port answers without a token"
         assert not stale_shm.exists(), "the start did not remove a dead driver's weight-sync file"
         assert len(res["listen"]) >= 5, res["listen"]  # GCS, raylet, agents, dashboard, the actor's worker
         names = " ".join(r[1] for r in res["listen"])

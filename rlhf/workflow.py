@@ -26,6 +26,7 @@ import torch
 
 from rlhf.config.schema import RewardConfig, RoleConfig, RunConfig
 from rlhf.driver.rl.async_buffer import AsyncRollout
+from rlhf.driver.rl.reward_judge import judge_group
 from rlhf.driver.rl.rewards import RewardScorer
 from workers.agent.options import AgentOptions
 from workers.batch import Batch
@@ -146,38 +147,58 @@ class CriticHandle(PolicyHandle):
 
 
 class RewardHandle:
-    """A rule function (`reward.fn`, scored by `RewardScorer`) or a reward-model group; adds `scores` [B].
-    With both, the model scores (`__call__`) and the rule checks (`check_scores`, validation's accuracy)."""
+    """A rule function (`reward.fn`, scored by `RewardScorer`), a reward service (`reward.url`; `reward.judge`,
+    whose engines `Roles.create` starts and `attach_judge` hands over) or a reward-model group; adds `scores`
+    [B]. With a service or a model beside the function, they score (`__call__`) and the rule checks
+    (`check_scores`, validation's accuracy)."""
 
     def __init__(self, reward: RewardConfig | None, model_group: Any = None) -> None:
+        self.config = reward
         self.scorer = RewardScorer(reward) if reward is not None and reward.fn else None
+        self.service = RewardScorer.for_url(reward) if reward is not None and reward.url else None
         self.model_group = model_group
+
+    def attach_judge(self, group: Any) -> None:
+        """Score with the judge engines `group` (started by `Roles.create` for `reward.judge`)."""
+        from rlhf.driver.rl.reward_judge import Judge
+
+        assert self.config is not None
+        self.service = RewardScorer.for_judge(self.config, Judge(self.config.judge, group))
 
     def __call__(self, batch: Batch) -> Batch:
         if "env_reward" in batch:  # an environment scored the trajectories (rollout.env)
             batch["scores"] = torch.tensor(batch["env_reward"], dtype=torch.float32)
         elif self.model_group is not None:
             batch["scores"] = self.model_group.compute_scores(model_view(batch, ["input_ids", "attention_mask"]))["scores"]
-        elif self.scorer is not None:
+        elif self.service is not None or self.scorer is not None:
             gts = batch["ground_truth"] if "ground_truth" in batch else [None] * len(batch)
-            batch["scores"] = self.scorer.score(batch["prompt"], batch["response_text"], gts)
+            scorer = self.service or self.scorer
+            assert scorer is not None
+            batch["scores"] = scorer.score(batch["prompt"], batch["response_text"], gts)
         return batch
 
     def check_scores(self, batch: Batch) -> torch.Tensor:
-        """The scores validation's accuracy counts: the rule's when a reward model scores the batch and the
-        prompts have ground truths, else the batch's `scores`."""
+        """The scores validation's accuracy counts: the rule's when a reward model or service scores the batch
+        and the prompts have ground truths, else the batch's `scores`."""
         gts = batch["ground_truth"] if "ground_truth" in batch else [None]  # noqa: SIM401 - Batch has no .get
-        if self.model_group is None or self.scorer is None or all(g is None for g in gts):
+        scored_elsewhere = self.model_group is not None or self.service is not None
+        if not scored_elsewhere or self.scorer is None or all(g is None for g in gts):
             return batch["scores"]
         return self.scorer.score(batch["prompt"], batch["response_text"], gts)
 
     def pop_metrics(self) -> dict[str, float]:
-        """Reward calls scored by the fallback since the last call (`reward/errors`, `reward/timeouts`)."""
-        return self.scorer.pop_metrics() if self.scorer is not None else {}
+        """Reward calls scored by the fallback since the last call (`reward/errors`, `reward/timeouts`, a
+        judge's `reward/judge_malformed`), summed over the rule and the service; a judge's `time/judge`."""
+        out: dict[str, float] = {}
+        for scorer in (self.scorer, self.service):
+            for k, v in (scorer.pop_metrics() if scorer is not None else {}).items():
+                out[k] = out.get(k, 0.0) + v
+        return out
 
     def shutdown(self) -> None:
-        if self.scorer is not None:
-            self.scorer.shutdown()
+        for scorer in (self.scorer, self.service):
+            if scorer is not None:
+                scorer.shutdown()
         if self.model_group is not None:
             self.model_group.shutdown()
 
@@ -381,9 +402,9 @@ class Roles:
 
     @classmethod
     def create(cls, cfg: RunConfig, run_dir: str | Path) -> Roles:
-        """Start every enabled role of `cfg` (Ray must be initialised). The rollout engine starts in a thread
-        beside the Megatron groups (each start is mostly imports and model building in its own processes), so
-        a run waits for the slower of the two, not for their sum."""
+        """Start every enabled role of `cfg` (Ray must be initialised). The rollout engines (and the judge's,
+        with reward.judge) start in threads beside the Megatron groups (each start is mostly imports and model
+        building in its own processes), so a run waits for the slowest, not for their sum."""
         from workers.roles import CriticWorker, PolicyWorker, ReferenceWorker, RewardModelWorker
 
         run_dir = Path(run_dir)
@@ -391,8 +412,10 @@ class Roles:
         temp = sampling_temperature(cfg)
         handles: dict[str, Any] = {}
         shared = colocated_pool(cfg)
-        pool = ThreadPoolExecutor(1, thread_name_prefix="rollout-start")
+        pool = ThreadPoolExecutor(2, thread_name_prefix="engines-start")
         rollout = pool.submit(_rollout_handle, cfg, run_dir, temp, shared)
+        judge = pool.submit(judge_group, cfg.reward.judge, cfg.trainer.timeout_s, run_dir / "logs") \
+            if cfg.reward.judge.model_path else None
         try:
             handles["policy"] = PolicyHandle(role_group("policy", cfg.policy, cfg, run_dir, PolicyWorker,
                                                         pool=shared), temp, routes=records_routes(cfg))
@@ -405,17 +428,25 @@ class Roles:
                 reward.model_group = role_group("reward_model", cfg.reward_model, cfg, run_dir, RewardModelWorker,
                                                 model_path=cfg.reward.model_path)
         except BaseException:
-            _shut_down_after_start(rollout)
+            for started in (rollout, judge):
+                if started is not None:
+                    _shut_down_after_start(started)
             for h in [*handles.values(), reward, *([shared] if shared else [])]:
                 h.shutdown()
             raise
         finally:
             pool.shutdown(wait=False)
         try:
+            if judge is not None:
+                reward.attach_judge(judge.result())
             handles["rollout"] = rollout.result()
             if handles["rollout"].buffer is not None:  # async: groups are scored in the buffer as they finish
                 handles["rollout"].buffer.score = reward
         except BaseException:
+            if reward.service is None and judge is not None:  # the judge's start failed, or is still running
+                _shut_down_after_start(judge)
+            if "rollout" not in handles:
+                _shut_down_after_start(rollout)
             for h in [*handles.values(), reward, *([shared] if shared else [])]:
                 h.shutdown()
             raise

@@ -132,6 +132,25 @@ class DataConfig:
     eod_mask_loss: bool = False
 
 
+@dataclass(kw_only=True)
+class JudgeConfig(EngineOptions):
+    """`reward.judge`: a generative reward model (LLM judge) on rollout engines of its own (the engine
+    settings, `EngineOptions`, as the rollout's). Each sample is scored by the judge's greedy verdict on
+    `prompt_template`; docs/recipes/reward-services.md."""
+
+    model_path: str | None = None  # an HF causal LM folder; set, the judge scores the training rollouts
+    num_engines: int = 1
+    # the judge's prompt: {prompt}, {response} and {ground_truth} are the sample's (no other {field}; a literal
+    # brace is {{ or }})
+    prompt_template: str = ("Rate the response to the prompt from 0 to 10.\n\nPrompt: {prompt}\n\nResponse: "
+                            "{response}\n\nReference answer: {ground_truth}\n\nEnd with a line \"Score: <number>\".")
+    chat: bool = True  # the prompt as a user turn of the judge's chat template (when its tokenizer has one)
+    pattern: str = r"Score:\s*(-?\d+(?:\.\d+)?)"  # the verdict's score: this regex's first capture group
+    # instead of pattern: the score of the verdict's first word (case-insensitive), e.g. {"yes": 1.0, "no": 0.0}
+    choices: dict[str, float] = field(default_factory=dict)
+    max_tokens: int = 32  # the verdict's length bound (greedy decoding)
+
+
 @dataclass
 class RewardConfig:
     fn: str | None = "exact_match"  # a name in algorithms.list_rewards() or "module:function"
@@ -150,6 +169,17 @@ class RewardConfig:
     # can make one (run as root), else the process's address-space limit. The reward processes are the
     # kernel's first OOM victims either way; a call that goes over the bound is scored by on_error.
     memory_mb: int = 4096
+    # A user's verifier over HTTP scores the training rollouts instead (rlhf/driver/rl/reward_url.py; the JSON
+    # contract: docs/recipes/reward-services.md): POSTs of batch_size samples, at most max_concurrency in flight,
+    # each within timeout_s in all; one that fails as a whole (no connection, timeout, HTTP 429 or 5xx) is sent
+    # again up to `retries` times, after backoff_s, 2 x backoff_s, ...; failed samples are scored by on_error
+    url: str | None = None
+    batch_size: int = 32
+    max_concurrency: int = 4
+    retries: int = 2
+    backoff_s: float = 0.5
+    # an LLM judge scores the training rollouts instead (one of url, judge.model_path and model_path)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
 
 
 @dataclass

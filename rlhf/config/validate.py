@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from algorithms import (
     AGG_MODES,
@@ -29,7 +30,8 @@ from algorithms import (
     list_rewards,
     preset_mismatches,
 )
-from rlhf.config.schema import RoleConfig, RunConfig, TrainerConfig
+from algorithms.judge_verdicts import choice_key_error, template_fields
+from rlhf.config.schema import RewardConfig, RoleConfig, RunConfig, TrainerConfig
 from rlhf.errors import ConfigError
 from rlhf.model_config import read_config_json
 from workers.dtypes import DTYPE_NAMES
@@ -402,8 +404,9 @@ def validate_config(cfg: RunConfig) -> None:
         raise ConfigError("critic.enabled: PPO needs a critic; set critic.enabled=true (or use algorithm.name=grpo)")
     if a.adv_estimator == "gae" and not cfg.critic.enabled:
         raise ConfigError("algorithm.adv_estimator=gae needs values from a critic; set critic.enabled=true")
-    if not cfg.reward.fn and not cfg.reward.model_path:
-        raise ConfigError("reward: expected reward.fn (a rule name or module:function) or reward.model_path")
+    if not (cfg.reward.fn or cfg.reward.model_path or cfg.reward.url or cfg.reward.judge.model_path):
+        raise ConfigError("reward: expected reward.fn (a rule name or module:function), reward.url, "
+                          "reward.judge.model_path or reward.model_path")
     if cfg.reward.fn and ":" not in cfg.reward.fn:
         _choice(cfg.reward.fn, "reward.fn", [*list_rewards(), "module:function"])
     rw = cfg.reward
@@ -415,10 +418,53 @@ def validate_config(cfg: RunConfig) -> None:
     _require(rw.memory_mb >= 64, "reward.memory_mb", "megabytes >= 64 (per reward process)", rw.memory_mb)
     _check_rl_batches(cfg)
     _check_pipeline(cfg)
+    _check_reward_services(rw)
 
 
 def _check_objective(cfg: RunConfig) -> None:
     """algorithm.policy_objective and its options (the objective's own check), the preset, DAPO's overlong
+def _check_reward_services(rw: RewardConfig) -> None:
+    """reward.url and its request settings, reward.judge's template, parser and engine settings; at most one
+    of them and reward.model_path scores the rollouts."""
+    given = [k for k, v in (("reward.url", rw.url), ("reward.judge.model_path", rw.judge.model_path),
+                            ("reward.model_path", rw.model_path)) if v]
+    if len(given) > 1:
+        raise ConfigError(f"{given[1]}: one reward source scores the rollouts, but {given[0]} is set too; "
+                          "set one (reward.fn may stay: it scores validation's accuracy)")
+    if rw.url is not None:
+        url = urlsplit(rw.url)
+        _require(url.scheme in ("http", "https") and bool(url.hostname), "reward.url",
+                 "an http:// or https:// URL with a host", rw.url)
+    _require(rw.batch_size >= 1, "reward.batch_size", "an integer >= 1 (samples per request)", rw.batch_size)
+    _require(rw.max_concurrency >= 1, "reward.max_concurrency", "an integer >= 1 (requests in flight)",
+             rw.max_concurrency)
+    _require(rw.retries >= 0, "reward.retries", "an integer >= 0", rw.retries)
+    _require(math.isfinite(rw.backoff_s) and rw.backoff_s >= 0, "reward.backoff_s", "seconds >= 0", rw.backoff_s)
+    j = rw.judge
+    _require(j.num_engines >= 1, "reward.judge.num_engines", "an integer >= 1", j.num_engines)
+    _require(j.max_tokens >= 1, "reward.judge.max_tokens", "an integer >= 1 (the verdict's length)", j.max_tokens)
+    try:
+        placeholders = template_fields(j.prompt_template)
+    except ValueError as e:
+        raise ConfigError(f"reward.judge.prompt_template: {e}") from None
+    _require("response" in placeholders, "reward.judge.prompt_template", "a template with {response}",
+             j.prompt_template)
+    try:
+        groups = re.compile(j.pattern).groups
+    except re.error as e:
+        raise ConfigError(f"reward.judge.pattern: {j.pattern!r} is not a regular expression: {e}") from None
+    _require(groups <= 1, "reward.judge.pattern", "a regular expression with at most one capture group (the score)",
+             j.pattern)
+    for key, value in j.choices.items():
+        why = choice_key_error(str(key))
+        _require(why is None, "reward.judge.choices", f"words of letters and digits ({why})", dict(j.choices))
+        _require(math.isfinite(value), f"reward.judge.choices.{key}", "a finite score", value)
+    try:
+        EngineOptions.validate_engine(j)
+    except ValueError as e:  # "JudgeConfig.dtype='x' must be ...": name the judge's key instead
+        raise ConfigError(re.sub(r"^\w+\.", "reward.judge.", str(e))) from None
+
+
     settings."""
     a = cfg.algorithm
     _choice(a.policy_objective, "algorithm.policy_objective", list_objectives())

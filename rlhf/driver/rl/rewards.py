@@ -51,54 +51,91 @@ def _short(x: Any, n: int = 60) -> str:
     return text[:n] + "..." if len(text) > n else text
 
 
-class RewardScorer:
-    """Scores samples with the configured `reward.fn`. A built-in (trusted, fast) runs in this process; a
-    `module:function` runs in a `RewardPool` of processes with a per-call timeout. A call that raises, returns
-    anything but a finite number, or times out is scored `reward.fallback_score` and counted
-    (`reward/errors`, `reward/timeouts`, one warning line per batch), or with `reward.on_error=fail` stops the
-    run with one line naming the function and the sample."""
+class _InProcess:
+    """A built-in rule (trusted, fast) scored in this process."""
 
-    def __init__(self, rc: RewardConfig) -> None:
-        assert rc.fn
-        self.spec, self.on_error, self.fallback = rc.fn, rc.on_error, rc.fallback_score
-        user = ":" in rc.fn
-        self.fn = None if user else builtin_reward_fn(rc.fn)
-        self.pool = RewardPool(rc.fn, rc.num_workers, rc.timeout_s, rc.memory_mb) if user else None
-        self.counts = {"reward/errors": 0.0, "reward/timeouts": 0.0}
+    def __init__(self, fn: RewardCallable) -> None:
+        self.fn = fn
 
-    def _in_process(self, sample: tuple[Any, Any, Any]) -> Outcome:
-        assert self.fn is not None
+    def score(self, samples: list[tuple[Any, Any, Any]]) -> list[Outcome]:
+        return [self._one(x) for x in samples]
+
+    def _one(self, sample: tuple[Any, Any, Any]) -> Outcome:
         try:
             reply = encode(self.fn(*sample))
         except Exception as e:  # noqa: BLE001 - scored by reward.on_error like a user's function
             return Outcome(kind="error", message=f"raised {type(e).__name__}: {e}")
         return Outcome(value=reply["value"]) if "value" in reply else Outcome(kind="error", message=reply["bad"])
 
+    def shutdown(self) -> None:
+        pass
+
+
+class RewardScorer:
+    """Scores samples with one reward source: `reward.fn` (a built-in in this process; a `module:function` in
+    a `RewardPool` of processes with a per-call timeout), or a service (`for_url`: reward.url; `for_judge`:
+    reward.judge). A sample whose call raises, returns anything but a finite number, times out or (a judge)
+    gives a malformed verdict is scored `reward.fallback_score` and counted (`reward/errors`,
+    `reward/timeouts`, `reward/judge_malformed`; one warning line per batch), or with `reward.on_error=fail`
+    stops the run with one line naming the source and the sample."""
+
+    def __init__(self, rc: RewardConfig, backend: Any = None, source: str | None = None) -> None:
+        self.on_error, self.fallback = rc.on_error, rc.fallback_score
+        if backend is None:
+            assert rc.fn
+            user = ":" in rc.fn
+            backend = RewardPool(rc.fn, rc.num_workers, rc.timeout_s, rc.memory_mb) if user else \
+                _InProcess(builtin_reward_fn(rc.fn))
+            source = f"reward.fn {rc.fn}"
+        self.backend, self.source = backend, source or type(backend).__name__
+        self.counts = {"reward/errors": 0.0, "reward/timeouts": 0.0}
+
+    @classmethod
+    def for_url(cls, rc: RewardConfig) -> RewardScorer:
+        """Scores by the verifier at `reward.url` (reward_url.py)."""
+        from rlhf.driver.rl.reward_url import RemoteReward
+
+        assert rc.url
+        return cls(rc, RemoteReward(rc), f"reward.url {rc.url}")
+
+    @classmethod
+    def for_judge(cls, rc: RewardConfig, judge: Any) -> RewardScorer:
+        """Scores by `judge` (a reward_judge.Judge of `reward.judge`); counts `reward/judge_malformed` too."""
+        scorer = cls(rc, judge, f"reward.judge {rc.judge.model_path}")
+        scorer.counts["reward/judge_malformed"] = 0.0
+        return scorer
+
     def score(self, prompts: list, responses: list[str], ground_truths: list) -> torch.Tensor:
         """One float score per sample."""
         samples = list(zip(prompts, responses, ground_truths))
-        outcomes = self.pool.score(samples) if self.pool else [self._in_process(x) for x in samples]
+        outcomes = self.backend.score(samples)
         failed = [(i, o) for i, o in enumerate(outcomes) if o.value is None]
         if failed:
             i, first = failed[0]
-            what = (f"reward.fn {self.spec} {first.message.replace(chr(10), ' ')} on sample {i} (prompt "
+            what = (f"{self.source} {first.message.replace(chr(10), ' ')} on sample {i} (prompt "
                     f"{_short(samples[i][0])}, response {_short(samples[i][1])})")
             if self.on_error == "fail":
                 raise RewardError(f"{what}; reward.on_error=fail (reward.on_error=fallback scores such samples "
                                   "reward.fallback_score)")
-            timeouts = sum(o.kind == "timeout" for _, o in failed)
-            self.counts["reward/errors"] += len(failed) - timeouts
-            self.counts["reward/timeouts"] += timeouts
+            kinds = {k: sum(o.kind == k for _, o in failed) for k in ("timeout", "malformed")}
+            errors = len(failed) - kinds["timeout"] - kinds["malformed"]
+            self.counts["reward/errors"] += errors
+            self.counts["reward/timeouts"] += kinds["timeout"]
+            if kinds["malformed"]:
+                self.counts["reward/judge_malformed"] = self.counts.get("reward/judge_malformed", 0.0) + \
+                    kinds["malformed"]
+            malformed = f", {kinds['malformed']} malformed verdicts" if kinds["malformed"] else ""
             print(f"warning: {len(failed)} of {len(samples)} rewards scored reward.fallback_score={self.fallback:g} "
-                  f"({len(failed) - timeouts} errors, {timeouts} timeouts); first: {what}", file=sys.stderr,
+                  f"({errors} errors, {kinds['timeout']} timeouts{malformed}); first: {what}", file=sys.stderr,
                   flush=True)
         return torch.tensor([self.fallback if o.value is None else o.value for o in outcomes], dtype=torch.float32)
 
     def pop_metrics(self) -> dict[str, float]:
-        """The failures counted since the last call (`reward/errors`, `reward/timeouts`)."""
+        """The failures counted since the last call (`reward/errors`, `reward/timeouts`; a judge's
+        `reward/judge_malformed` and `time/judge`)."""
         out, self.counts = self.counts, dict.fromkeys(self.counts, 0.0)
-        return out
+        pop = getattr(self.backend, "pop_metrics", None)
+        return {**out, **(pop() if pop is not None else {})}
 
     def shutdown(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown()
+        self.backend.shutdown()

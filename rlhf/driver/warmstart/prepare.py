@@ -251,6 +251,9 @@ def prepare_inputs(cfg: RunConfig) -> RunConfig:
             raise ConfigError(f"reward.model_path: {cfg.reward.model_path} is not an HF model folder (no config.json); "
                               f"train a reward model with algorithm.name=rm (e.g. configs/rm_tiny.yaml), which "
                               f"exports one to <output_dir>/hf")
+        judge = cfg.reward.judge.model_path
+        if judge and not (Path(judge) / "config.json").is_file():
+            raise ConfigError(f"reward.judge.model_path: {judge} is not an HF model folder (no config.json)")
         if not cfg.data.train_file:
             raise ConfigError(f"data.train_file: expected a jsonl or parquet prompt file (or data.task: one of "
                               f"{', '.join(TASKS)})")

@@ -416,13 +416,11 @@ def validate_config(cfg: RunConfig) -> None:
     _require(rw.num_workers >= 1, "reward.num_workers", "an integer >= 1 (processes of a module:function reward)",
              rw.num_workers)
     _require(rw.memory_mb >= 64, "reward.memory_mb", "megabytes >= 64 (per reward process)", rw.memory_mb)
+    _check_reward_services(rw)
     _check_rl_batches(cfg)
     _check_pipeline(cfg)
-    _check_reward_services(rw)
 
 
-def _check_objective(cfg: RunConfig) -> None:
-    """algorithm.policy_objective and its options (the objective's own check), the preset, DAPO's overlong
 def _check_reward_services(rw: RewardConfig) -> None:
     """reward.url and its request settings, reward.judge's template, parser and engine settings; at most one
     of them and reward.model_path scores the rollouts."""
@@ -465,6 +463,8 @@ def _check_reward_services(rw: RewardConfig) -> None:
         raise ConfigError(re.sub(r"^\w+\.", "reward.judge.", str(e))) from None
 
 
+def _check_objective(cfg: RunConfig) -> None:
+    """algorithm.policy_objective and its options (the objective's own check), the preset, DAPO's overlong
     settings."""
     a = cfg.algorithm
     _choice(a.policy_objective, "algorithm.policy_objective", list_objectives())

@@ -103,22 +103,37 @@ def _declaring_class(cls: type, name: str) -> type:
     return cls
 
 
-def _field_pattern(node: ast.expr) -> str | None:
-    """The dotted key a validator call names: a string, or an f-string whose only placeholder is the role's
-    `name` (written `<role>.`). None for anything else (a key built in a loop over other names)."""
+def _field_patterns(node: ast.expr, loops: dict[str, list[str]]) -> list[str]:
+    """The dotted keys a validator call names: a string, or an f-string whose placeholders are the role's
+    `name` (written `<role>.`) or the variable of an enclosing loop over string constants (one key per value).
+    Empty for anything else."""
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return node.value
-    if isinstance(node, ast.JoinedStr):
-        parts = []
-        for v in node.values:
-            if isinstance(v, ast.Constant):
-                parts.append(str(v.value))
-            elif isinstance(v, ast.FormattedValue) and isinstance(v.value, ast.Name) and v.value.id == "name":
-                parts.append(ROLE)
-            else:
-                return None
-        return "".join(parts)
-    return None
+        return [node.value]
+    if not isinstance(node, ast.JoinedStr):
+        return []
+    keys = [""]
+    for v in node.values:
+        if isinstance(v, ast.Constant):
+            keys = [k + str(v.value) for k in keys]
+        elif isinstance(v, ast.FormattedValue) and isinstance(v.value, ast.Name) and v.value.id == "name":
+            keys = [k + ROLE for k in keys]
+        elif isinstance(v, ast.FormattedValue) and isinstance(v.value, ast.Name) and v.value.id in loops:
+            keys = [k + value for k in keys for value in loops[v.value.id]]
+        else:
+            return []
+    return keys
+
+
+def _validator_calls(node: ast.AST, loops: dict[str, list[str]]) -> list[tuple[ast.Call, dict[str, list[str]]]]:
+    """Every call under `node`, with the values of the enclosing `for x in ("a", "b")` loops' variables."""
+    if isinstance(node, ast.For) and isinstance(node.target, ast.Name) and isinstance(node.iter, ast.Tuple | ast.List):
+        values = [e.value for e in node.iter.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+        if len(values) == len(node.iter.elts):
+            loops = {**loops, node.target.id: values}
+    out = [(node, loops)] if isinstance(node, ast.Call) else []
+    for child in ast.iter_child_nodes(node):
+        out += _validator_calls(child, loops)
+    return out
 
 
 def _text(node: ast.expr) -> str | None:
@@ -146,21 +161,19 @@ def validator_rules() -> dict[str, str]:
     tree = ast.parse(Path(validate.__file__).read_text())
     ns = _namespace(tree)
     rules: dict[str, str] = {}
-    for node in ast.walk(tree):
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) >= 3):
+    for node, loops in _validator_calls(tree, {}):
+        if not (isinstance(node.func, ast.Name) and len(node.args) >= 3):
             continue
-        key = _field_pattern(node.args[1])
-        if key is None:
-            continue
-        if node.func.id == "_choice":
+        keys = _field_patterns(node.args[1], loops)
+        if node.func.id == "_choice" and keys:
             try:
                 choices = eval(compile(ast.Expression(node.args[2]), "<validate>", "eval"), ns)  # our own source
             except Exception:  # noqa: BLE001 - a choice list built from a local value: leave the field undescribed
                 continue
-            rules.setdefault(key, "one of " + ", ".join(f"`{c}`" for c in choices))
-        elif node.func.id == "_require":
-            text = _text(node.args[2])
-            if text:
+            for key in keys:
+                rules.setdefault(key, "one of " + ", ".join(f"`{c}`" for c in choices))
+        elif node.func.id == "_require" and (text := _text(node.args[2])):
+            for key in keys:
                 rules.setdefault(key, text)
     return rules
 

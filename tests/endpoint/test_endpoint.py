@@ -7,6 +7,7 @@ import http.client
 import json
 import socket
 import threading
+import time
 
 import openai
 import pytest
@@ -250,11 +251,20 @@ def test_listens_on_loopback_only(served):
             socket.create_connection((addr, ep.port), timeout=5).close()
 
 
-def test_concurrent_sessions_share_engine_calls_and_keep_their_records_apart(served):
+def test_concurrent_sessions_share_engine_calls_and_keep_their_records_apart(served, monkeypatch):
     ep, _, _, _ = served
     opened = [ep.open_session(f"c{i}", max_calls=2, max_tokens=64) for i in range(6)]
     before = ep.batcher.calls
     replies: dict[int, str] = {}
+    engine = ep.batcher.backend
+
+    def slow_engine(reqs: list[dict]) -> list[dict]:  # an engine call long enough for the others to queue
+        deadline = time.monotonic() + 30
+        while ep.batcher._queue.qsize() < len(opened) - len(reqs) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return engine(reqs)
+
+    monkeypatch.setattr(ep.batcher, "backend", slow_engine)
 
     def agent(i: int, token: str) -> None:
         r = _client(ep, token).chat.completions.create(model="p", messages=[{"role": "user", "content": f"{i}"}])
@@ -268,7 +278,7 @@ def test_concurrent_sessions_share_engine_calls_and_keep_their_records_apart(ser
     for i, (s, t) in enumerate(opened):
         ep.close_session(t)
         assert len(s.completions) == 1 and replies[i] == s.completions[0].text
-    assert ep.batcher.calls - before < len(opened)  # at least two sessions shared an engine call
+    assert ep.batcher.calls - before == 2  # the first request, then the five queued behind it in one call
 
 
 def test_tool_calls_come_back_in_the_openai_format_and_render_as_sampled():
@@ -297,3 +307,19 @@ def test_trajectories_of_an_empty_session():
     c = Completion([1], [2, 3], [-0.5, -0.25], 0, "stop", "x")
     (t,) = trajectories([c])
     assert t.token_ids == [2, 3] and t.mask == [1, 1] and t.versions == [0]
+
+
+def test_the_example_agent_runs_against_the_endpoint(served):
+    """examples/agents/openai_agent.py with a client of the endpoint: at least one completion, at most its two
+    turns, recorded in its session; its calculator is arithmetic only."""
+    from examples.agents.openai_agent import calculate, run
+
+    ep, _, _, _ = served
+    session, token = ep.open_session("example", max_calls=2, max_tokens=64)
+    task = {"messages": [{"role": "user", "content": "What is 123*456?"}], "ground_truth": "56088"}
+    assert run(_client(ep, token), task) is None
+    ep.close_session(token)
+    assert 1 <= len(session.completions) <= 2
+    assert calculate("123*456") == "56088" and calculate("7/2") == "3.5"
+    for bad in ("__import__('os')", "2**1000", "a+1", "1/0"):
+        assert calculate(bad).startswith("error:")

@@ -48,8 +48,8 @@ class Row:
 def _type_name(tp: Any) -> str:
     """A readable name of an annotation: `int`, `str | None`, `list[str]`, `tuple[float, float]`."""
     origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return " | ".join("None" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):  # "or", not "|": a pipe in a table cell splits it on GitHub
+        return " or ".join("None" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
     if origin is not None:
         args = ", ".join(_type_name(a) for a in typing.get_args(tp))
         return f"{getattr(origin, '__name__', str(origin))}[{args}]"

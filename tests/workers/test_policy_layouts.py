@@ -122,6 +122,39 @@ def test_old_logprobs_in_update_match_a_recompute_pass(env, tmp_path):
         assert got[f"mismatch/{key}"] == pytest.approx(mis[key], rel=1e-4), key
 
 
+def test_recompute_with_the_engines_logprobs_corrects_in_the_update_as_the_driver_did(env, tmp_path):
+    """`old_logprobs=recompute` with the engine's log-probs in the batch: the update applies MIS (mask and
+    normaliser narrowed) and logs `mismatch/*` and `off_policy/*` itself; the same weights, bit for bit, as a
+    batch the driver corrected (advantages weighted, mask narrowed) without the engine's log-probs."""
+    from algorithms import logprob_mismatch, rollout_correction
+
+    g = env["groups"]["dp2"]
+    batch = make_rl_batch(n=8, seed=12)
+    mask = batch["response_mask"]
+    g.save_checkpoint(str(tmp_path / "ckpt"))
+    batch["old_logprobs"] = old = g.compute_logprobs(batch)["logprobs"]
+    shift = 0.5 * torch.randn(old.shape, generator=torch.Generator().manual_seed(1))
+    batch["rollout_logprobs"] = (old + shift) * mask
+    weights, keep, om = rollout_correction(old, batch["rollout_logprobs"], mask, "mis_token", low=0.6, high=1.6)
+    loss = {"clip_low": 0.2, "clip_high": 0.28, "off_policy_correction": "mis_token", "is_low": 0.6, "is_high": 1.6,
+            "old_logprobs": "recompute"}
+    driver = batch.select(["input_ids", "attention_mask", "responses", "old_logprobs"])
+    driver["advantages"], driver["response_mask"] = batch["advantages"] * weights, keep
+    ref = g.train_step(driver, loss, micro_batch_size=3)
+    w_ref = fetch_state_dict(g.state_dict_for_rollout())
+    g.load_checkpoint(str(tmp_path / "ckpt"))
+    got = g.train_step(batch, loss, micro_batch_size=3)
+    w_got = fetch_state_dict(g.state_dict_for_rollout())
+    assert all(torch.equal(w_got[k], w_ref[k]) for k in w_ref)
+    assert 0 < om["masked_fraction"] < 1  # the band did drop tokens
+    for key in ("loss", "pg_loss", "grad_norm", "tokens", "clipfrac"):
+        assert got[key] == pytest.approx(ref[key], rel=1e-6, abs=1e-9), key
+    for key, value in om.items():
+        assert got[f"off_policy/{key}"] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    for key, value in logprob_mismatch(batch["rollout_logprobs"], old, mask).items():
+        assert got[f"mismatch/{key}"] == pytest.approx(value, rel=1e-5), key
+
+
 def test_checkpoint_round_trip_and_reshard(env, tmp_path):
     tp1, tp2 = env["groups"]["tp1"], env["groups"]["pp2"]
     batch = make_rl_batch(n=8, seed=4)

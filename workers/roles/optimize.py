@@ -115,15 +115,18 @@ def optimize(worker: MegatronWorker, batch: Batch, cfg: UpdateConfig,
 
 
 def optimize_responses(worker: MegatronWorker, batch: Batch, cfg: UpdateConfig, keys: list[str],
-                       loss: ResponseLoss, micro_batch_size: int | None = None) -> dict[str, float]:
+                       loss: ResponseLoss, micro_batch_size: int | None = None,
+                       norm_mask: Callable[[Batch], torch.Tensor] | None = None) -> dict[str, float]:
     """`optimize` with a loss over the response tokens (the policy's and the critic's): each mini-batch's
-    normaliser is `cfg.loss_agg_mode`'s over all DP ranks; the micro-batches carry `responses`,
+    normaliser is `cfg.loss_agg_mode`'s over all DP ranks, of `norm_mask(mini_batch)` when the loss trains on
+    fewer tokens than the response mask (else of the mask); the micro-batches carry `responses`,
     `response_mask` and `keys`. Adds time_s to the metrics."""
     t0 = time.monotonic()
     eng = worker.engine
 
     def prepare(mini: Batch) -> tuple[list[Micro], MicroLoss]:
-        norm = worker.dp_all_reduce(global_normalizer(mini["response_mask"], cfg.loss_agg_mode))
+        mask = mini["response_mask"] if norm_mask is None else norm_mask(mini)
+        norm = worker.dp_all_reduce(global_normalizer(mask, cfg.loss_agg_mode))
         micros = response_micros(mini, micro_batch_size or worker.micro_batch_size,
                                  ["responses", "response_mask", *keys], eng.device, pack=worker.pack_sequences)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from algorithms import ObjectiveInputs, logprob_mismatch, objective_loss, rollout_correction
+from algorithms.objectives import BEHAVIOUR_MAX_METRICS, ObjectiveInputs, behaviour_mask, objective_loss
 from workers.batch import Batch
 from workers.config import build
 from workers.dispatch import DP_COMPUTE, ONE_TO_ALL, register, split_by_minibatch
@@ -71,24 +71,30 @@ class PolicyWorker(RolloutSyncMixin, LogprobMixin, LMMixin, PreferenceMixin, Meg
         def loss_fn(sl: torch.Tensor, f: dict[str, torch.Tensor], mask: torch.Tensor, norm: torch.Tensor,
                     acc: Metrics) -> torch.Tensor:
             logp, ent = vocab_parallel_logprobs(scale_logits(sl, temperature), f["responses"], vocab, need_entropy)
-            old, adv = f["old_logprobs"].float() if "old_logprobs" in f else None, f["advantages"].float()
-            if old is None:  # in_update: the policy before this, the only step, is the one computing logp
-                old, adv = logp.detach().float(), correct_in_update(logp, adv, f, mask, cfg, acc)
-            x = ObjectiveInputs(logp, old, adv, mask, f.get("rollout_logprobs"), agg, normalizer=norm)
+            # in_update: the policy before this, the only step, is the one computing logp
+            old = f["old_logprobs"].float() if "old_logprobs" in f else logp.detach().float()
+            x = ObjectiveInputs(logp, old, f["advantages"].float(), mask, f.get("rollout_logprobs"), agg,
+                                normalizer=norm)
             ref = f["ref_logprobs"].float() if use_kl else None
             loss, parts, m = objective_loss(cfg.policy_objective, x, options, entropy=ent,
                                             entropy_coef=cfg.entropy_coef, ref_logp=ref, kl_coef=cfg.kl_coef,
                                             kl_kind=cfg.kl_kind)
-            n_tok = float(mask.sum())
-            acc.add_sum({**parts, "tokens": n_tok})  # loss parts carry the global normaliser
-            acc.add_mean(m, weight=n_tok)
+            record_metrics(acc, parts, m, float(mask.sum()))
             return loss
 
         keys = ["advantages", "ref_logprobs"]
-        keys.append("rollout_logprobs" if cfg.old_logprobs == "in_update" else "old_logprobs")
+        if cfg.old_logprobs != "in_update":
+            keys.append("old_logprobs")
+        if cfg.old_logprobs != "rollout":  # there the engine's log-probs are the old ones: nothing to compare
+            keys.append("rollout_logprobs")
         if self.engine.moe is not None and self.engine.moe.routing_replay:
             keys.append(ROUTES_KEY)  # R3: the update routes each token to the rollout's experts
-        out = optimize_responses(self, batch, cfg, keys, loss_fn, micro_batch_size)
+        norm_mask = None
+        if cfg.old_logprobs == "recompute":  # MIS narrows the mask the normaliser counts
+            def norm_mask(mini: Batch) -> torch.Tensor:
+                rollout = mini["rollout_logprobs"] if "rollout_logprobs" in mini else None  # noqa: SIM401
+                return behaviour_mask(mini["old_logprobs"], rollout, mini["response_mask"], options)
+        out = optimize_responses(self, batch, cfg, keys, loss_fn, micro_batch_size, norm_mask=norm_mask)
         out["cpu_s"] = time.process_time() - c0  # this rank's CPU time (all its threads)
         return out
 
@@ -122,24 +128,20 @@ class PolicyWorker(RolloutSyncMixin, LogprobMixin, LMMixin, PreferenceMixin, Meg
         return {"bytes": float(size), "time_s": time.perf_counter() - t0}
 
 
-def correct_in_update(logp: torch.Tensor, adv: torch.Tensor, f: dict[str, torch.Tensor], mask: torch.Tensor,
-                      cfg: PPOLossConfig, acc: Metrics) -> torch.Tensor:
-    """`old_logprobs=in_update`: the engine's mismatch to the policy (`mismatch/*`) and the off-policy
-    correction's weights on the advantages (`off_policy/*`), from this micro-batch's own log-probs; what the
-    driver computes from a recomputing pass otherwise. Returns the advantages to train on."""
-    if "rollout_logprobs" not in f:
-        return adv
-    n_tok = float(mask.sum())
-    mis = logprob_mismatch(f["rollout_logprobs"], logp, mask)
-    acc.add_max({"mismatch/logprob_abs_diff_max": mis.pop("logprob_abs_diff_max")})
-    acc.add_mean({f"mismatch/{k}": v for k, v in mis.items()}, weight=n_tok)
-    if cfg.off_policy_correction == "none":
-        return adv
-    weights, _, om = rollout_correction(logp.detach(), f["rollout_logprobs"], mask, cfg.off_policy_correction,
-                                        cap=cfg.is_cap, low=cfg.is_low, high=cfg.is_high)
-    acc.add_max({"off_policy/is_ratio_max": om.pop("is_ratio_max")})
-    acc.add_mean({f"off_policy/{k}": v for k, v in om.items()}, weight=n_tok)
-    return adv * weights
+def record_metrics(acc: Metrics, parts: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor],
+                   seen: float) -> None:
+    """One micro-batch's loss parts (summed) and metrics: the behaviour's (`mismatch/*`, `off_policy/*`) as
+    token means over the `seen` response tokens, or maxima (`algorithms.BEHAVIOUR_MAX_METRICS`); the
+    objective's as means over the tokens it trained on (`parts["tokens"]`, fewer than `seen` under MIS)."""
+    trained = float(parts.pop("tokens", seen))
+    acc.add_sum({**parts, "tokens": trained})  # loss parts carry the global normaliser
+    if seen > 0:
+        acc.add_max({k: metrics.pop(k) for k in BEHAVIOUR_MAX_METRICS if k in metrics})
+    else:
+        metrics = {k: v for k, v in metrics.items() if k not in BEHAVIOUR_MAX_METRICS}
+    behaviour = {k: metrics.pop(k) for k in list(metrics) if k.startswith(("mismatch/", "off_policy/"))}
+    acc.add_mean(behaviour, weight=seen)
+    acc.add_mean(metrics, weight=trained)
 
 
 def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:

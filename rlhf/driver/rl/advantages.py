@@ -11,7 +11,6 @@ from algorithms import (
     masked_mean,
     overlong_keep,
     overlong_penalty,
-    rollout_correction,
 )
 from rlhf.config.schema import AlgorithmConfig
 from workers.batch import Batch
@@ -81,17 +80,5 @@ def add_advantages(batch: Batch, algo: AlgorithmConfig, kl_coef: float,
     batch["token_level_rewards"], batch["advantages"], batch["returns"] = rewards, adv, ret
     metrics["advantage_abs_mean"] = float(masked_mean(adv.abs(), mask))
     metrics.update(filter_overlong(batch, algo))
-    if algo.off_policy_correction != "none" and algo.old_logprobs != "in_update":  # in_update: in the update
-        metrics.update(correct_off_policy(batch, algo))
-    return batch, metrics
+    return batch, metrics  # the off-policy correction is the update's (algorithms/objectives/behaviour.py)
 
-
-def correct_off_policy(batch: Batch, algo: AlgorithmConfig) -> dict[str, float]:
-    """algorithm.off_policy_correction (algorithms/off_policy.py): the advantages weighted and the response
-    mask narrowed by the ratio of the recomputed old log-probs to the engine's; `off_policy/*` metrics."""
-    weights, keep, metrics = rollout_correction(batch["old_logprobs"], batch["rollout_logprobs"],
-                                                batch["response_mask"], algo.off_policy_correction,
-                                                cap=algo.is_cap, low=algo.is_low, high=algo.is_high)
-    batch["advantages"] = batch["advantages"] * weights
-    batch["response_mask"] = keep
-    return {f"off_policy/{k}": v for k, v in metrics.items()}

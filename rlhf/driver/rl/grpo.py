@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from algorithms.mismatch import logprob_mismatch, routing_disagreement, routing_disagreement_metrics
+from algorithms.mismatch import routing_disagreement, routing_disagreement_metrics
 from rlhf.config import RunConfig
 from rlhf.driver.rl.advantages import add_advantages
 from rlhf.driver.rl.context import StepContext, rollout_metrics
@@ -85,9 +85,10 @@ def whole_groups_dividing(batch: Batch, divisor: int) -> Batch:
 
 
 def add_logprobs(roles: Roles, batch: Batch, ctx: StepContext) -> Batch:
-    """The reference's logprobs (when there is one) and the behaviour policy's: recomputed by the policy
-    (then the step also logs the engine's mismatch to them, `mismatch/*`), the engine's sampled-token
-    logprobs, or none yet (`in_update`: the policy's update takes its own)."""
+    """The reference's logprobs (when there is one) and the behaviour policy's: recomputed by the policy, the
+    engine's sampled-token logprobs, or none yet (`in_update`: the policy's update takes its own). The update
+    compares them with the engine's (`mismatch/*`) and applies the off-policy correction
+    (algorithms/objectives/behaviour.py); a recomputing pass also logs the MoE routing mismatch here."""
     if roles.reference is not None:
         with ctx.phase("reference"):
             batch = roles.reference.logprobs(batch, key="ref_logprobs")
@@ -98,23 +99,19 @@ def add_logprobs(roles: Roles, batch: Batch, ctx: StepContext) -> Batch:
         return batch
     with ctx.phase("old_logprobs"):
         batch = roles.policy.logprobs(batch, key="old_logprobs")
-    ctx.metrics.update(mismatch_metrics(batch))
+    ctx.metrics.update(routing_mismatch_metrics(batch))
     return batch
 
 
-def mismatch_metrics(batch: Batch) -> dict[str, float]:
-    """`mismatch/*`: the engine's sampled-token logprobs against the policy's recomputed old logprobs of the
-    same weights, over the response tokens (algorithms/mismatch.py); empty when either is missing. MoE
-    models whose engine recorded its routing: also `mismatch/routing_disagreement*`, per layer the fraction
-    of tokens (prompt and response) whose top-k experts differ between the engine and the policy's forward
-    (0 with routing replay); the policy's routes are dropped from the batch afterwards."""
-    if "rollout_logprobs" not in batch or "old_logprobs" not in batch:
+def routing_mismatch_metrics(batch: Batch) -> dict[str, float]:
+    """`mismatch/routing_disagreement*` of MoE models whose engine recorded its routing: per layer the fraction
+    of tokens (prompt and response) whose top-k experts differ between the engine and the policy's recomputing
+    forward (0 with routing replay); the policy's routes are dropped from the batch afterwards. Empty
+    otherwise. (The log-prob mismatch is the update's: algorithms/objectives/behaviour.py.)"""
+    if ROUTES_KEY not in batch or POLICY_ROUTES_KEY not in batch:
         return {}
-    out = logprob_mismatch(batch["rollout_logprobs"], batch["old_logprobs"], batch["response_mask"])
-    if ROUTES_KEY in batch and POLICY_ROUTES_KEY in batch:
-        policy_routes = batch.tensors.pop(POLICY_ROUTES_KEY)
-        out |= routing_disagreement_metrics(*routing_disagreement(batch[ROUTES_KEY], policy_routes,
-                                                                  batch["attention_mask"]))
+    policy_routes = batch.tensors.pop(POLICY_ROUTES_KEY)
+    out = routing_disagreement_metrics(*routing_disagreement(batch[ROUTES_KEY], policy_routes, batch["attention_mask"]))
     return {f"mismatch/{k}": v for k, v in out.items()}
 
 

@@ -14,4 +14,5 @@ another (tests/test_test_layout.py checks it). One module a purpose:
 - procs: processes found by a marker in their command line, polling, an interpreter any uid can run
 - planted: a hostile pickle, and checkpoint folders that carry one
 - references: plain-Python loop references of the algorithms
+- sync_faults: weight-sync faults injected through transports (the per-sync digest's fault tests)
 """

@@ -8,40 +8,36 @@ fails the sync with one line naming the policy's parameter, the engine's, the en
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 
+from tests.helpers.sync_faults import CORRUPT, CORRUPT_COL, CORRUPT_ROW, CorruptGloo, SkippingShm, by_value
 from workers.group import WorkerGroup
 from workers.roles.policy import PolicyWorker
 from workers.rollout import EngineConfig, RolloutGroup, SamplingConfig, SyncConfig
-from workers.rollout.cpu.shm import ShmTransport
 from workers.rollout.digest import DigestMismatchError
-from workers.rollout.weight_sync import GlooTransport
 
 PROMPTS = ["hello world", "one two three"]
 SAMPLING = SamplingConfig(n=2, max_tokens=8, temperature=1.0, seed=3)
-TARGET, ROW, COL = "model.layers.1.self_attn.k_proj.weight", 2, 5  # fused into the engine's qkv_proj
+TARGET, ROW, COL = CORRUPT, CORRUPT_ROW, CORRUPT_COL  # fused into the engine's qkv_proj
 
 
 @pytest.fixture(scope="module")
 def env(ray_session, tmp_path_factory, tiny_model_factory):
     path = tiny_model_factory("tiny-qwen2")
-    module = sys.modules[__name__]
-    ray.cloudpickle.register_pickle_by_value(module)  # the faulty transports below reach the actors by value
     rollout = policy = None
     try:
-        rollout = RolloutGroup(EngineConfig(model_path=path, kv_cache_gb=0.05, max_num_seqs=16, num_cpus=0,
-                                            work_dir=str(tmp_path_factory.mktemp("rollout"))), name="digest-rollout")
-        policy = WorkerGroup("policy", PolicyWorker, name="digest-policy", num_cpus_per_worker=0.5, timeout_s=120,
-                             log_dir=tmp_path_factory.mktemp("logs"),
-                             init_kwargs={"model_path": path, "micro_batch_size": 8, "optim": {"lr": 1e-2}})
-        yield {"rollout": rollout, "policy": policy, "path": path}
+        with by_value():  # the faulty transports (tests/helpers/sync_faults.py) reach the actors by value
+            rollout = RolloutGroup(EngineConfig(model_path=path, kv_cache_gb=0.05, max_num_seqs=16, num_cpus=0,
+                                                work_dir=str(tmp_path_factory.mktemp("rollout"))),
+                                   name="digest-rollout")
+            policy = WorkerGroup("policy", PolicyWorker, name="digest-policy", num_cpus_per_worker=0.5,
+                                 timeout_s=120, log_dir=tmp_path_factory.mktemp("logs"),
+                                 init_kwargs={"model_path": path, "micro_batch_size": 8, "optim": {"lr": 1e-2}})
+            yield {"rollout": rollout, "policy": policy, "path": path}
     finally:
-        ray.cloudpickle.unregister_pickle_by_value(module)
         if policy is not None:
             policy.shutdown()
         if rollout is not None:
@@ -53,25 +49,6 @@ def _engine_tensors(path: str) -> int:
     embedding, per layer qkv weight and bias, o, gate_up, down and two norms, the final norm, the head."""
     layers = json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"]
     return 1 + 7 * layers + 1 + 1
-
-
-class CorruptGloo(GlooTransport):
-    """gloo whose sender changes one element of TARGET after digesting its bucket, before sending it."""
-
-    def send_bucket(self, out, buf, meta):
-        if TARGET in meta.names:
-            i = meta.names.index(TARGET)
-            buf[meta.offsets[i] + ROW * meta.shapes[i][1] + COL] += 1.0
-        super().send_bucket(out, buf, meta)
-
-
-class SkippingShm(ShmTransport):
-    """shm whose engine waits for the writers and then keeps its old weights (a sync that did not take)."""
-
-    def receive(self, vworker, session, engine_rank, tp):
-        rank = self.sync_rank(vworker, engine_rank, tp)
-        self.channel(session, 0, rank).wait_flags([session.key(0, f"shm/done/r{r}") for r in session.writer_ranks])
-        return {"rank": engine_rank, "bytes": 0, "tensors": 0, "recv_s": 0.0, "load": "skipped"}
 
 
 def _train(env) -> None:
@@ -160,3 +137,17 @@ def test_an_engine_gemm_passes_and_one_changed_element_is_located(dtype):
     with pytest.raises(DigestMismatchError, match=r"policy parameter k \(HF k\) != rollout rank 3 parameter "
                                                   r"qk_proj.weight .*first at (index \(7, 40\)|row 7)"):
         compare(sent, [held(fused)])
+
+
+def test_a_whole_row_that_differs_is_named_by_its_row_alone():
+    """Many elements of one row differ (a stale or swapped row): the row is named, no column is guessed."""
+    from workers.rollout.digest import Held, HeldDigests, Sent, compare, digest
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 96, generator=g)
+    sent = {"w": Sent.of(w)}
+    for seed in range(20):  # rows replaced by other values: never a column
+        other = w.clone()
+        other[5] = torch.randn(96, generator=torch.Generator().manual_seed(seed))
+        with pytest.raises(DigestMismatchError, match=r"first at row 5 \(column unknown\)"):
+            compare(sent, [HeldDigests(0, [Held("w", ["w"], digest(other), False, "float32")])])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ import pytest
 import ray
 import torch
 
+from tests.helpers import sync_faults
 from workers.dispatch import ONE_TO_ALL, register
 from workers.group import WorkerGroup
 from workers.roles.policy import PolicyWorker
@@ -31,6 +33,7 @@ from workers.rollout import (
     WeightSyncTimeout,
 )
 from workers.rollout.cpu.shm import ShmTransport
+from workers.rollout.digest import DigestMismatchError
 from workers.rollout.group import RolloutDiedError
 from workers.rollout.syncer import compare_logprobs
 from workers.rollout.weight_sync import GlooTransport
@@ -166,6 +169,15 @@ def test_two_engines_are_each_synced_and_decode_as_one_engine(env, tmp_path):
             stale = compare_logprobs(policy, two, seqs)
             assert stale > 1e-2
             assert two.sync_weights(policy, cfg, verify=True)["sync/verify_max_abs_diff"] <= 1e-3
+        # a sync that did not take on the second engine only: the digest names that engine
+        policy.train_step(_train_batch(two.generate(PROMPTS, SAMPLING)))
+        with sync_faults.by_value(), pytest.raises(
+                DigestMismatchError, match=r"digest mismatch: policy parameter embedding.word_embeddings.weight \(HF "
+                                           r"model.embed_tokens.weight\) != rollout rank 1 parameter "
+                                           r"model.embed_tokens.weight \(values, float32\) first at row \d+ \(column "
+                                           r"unknown\): engine \["):
+            two.sync_weights(policy, cfg, transport=sync_faults.SecondEngineSkipsShm, channel="second-skips")
+        assert two.sync_weights(policy, cfg, verify=True)["sync/verify_max_abs_diff"] <= 1e-3
         # spread by load: with one prompt still in flight on engine 0, a call of 3 gives engine 1 two of them
         first = two.start_generate(PROMPTS[:1], greedy)
         second = two.start_generate(PROMPTS[1:], greedy)
@@ -276,6 +288,27 @@ def test_zero_copy_needs_the_shm_transport(env):
         env["rollout"].sync_weights(env["policy"]("tp1"), SyncConfig(sync_transport="gloo", zero_copy_weights=True))
 
 
+@pytest.mark.parametrize("fault, policy_name, engine_name", [
+    ("swapped", "decoder.layers.0.mlp.linear_fc1.weight", "model.layers.0.mlp.gate_up_proj.weight"),
+    ("transposed", "decoder.layers.1.self_attention.linear_proj.weight", "model.layers.1.self_attn.o_proj.weight"),
+])
+def test_a_tp2_shard_swapped_or_transposed_into_the_engine_is_named(env, fault, policy_name, engine_name):
+    """A TP 2 policy's tensor reaches the engine with its two TP shards swapped, or transposed: the sync fails
+    naming the policy's and the engine's parameter, the engine and the first differing row."""
+    rollout, policy = env["rollout"], env["policy"]("tp2")
+    cfg = SyncConfig(sync_bucket_mb=0.5, timeout_s=60, sync_transport="gloo")
+    rollout.sync_weights(policy, cfg, verify=False)
+    transport = {"swapped": sync_faults.SwappedShardGloo, "transposed": sync_faults.TransposedShardGloo}[fault]
+    with sync_faults.by_value(), pytest.raises(DigestMismatchError) as err:
+        rollout.sync_weights(policy, cfg, transport=transport, channel=f"shard-{fault}")
+    msg, hf = str(err.value), sync_faults.SHARD_FAULTS[fault][0]
+    assert "\n" not in msg
+    assert (f"policy parameter {policy_name} (HF {hf}) != rollout rank 0 parameter {engine_name} (engine GEMM, "
+            f"float32) first at " in msg), msg
+    assert re.search(r"first at row 0 \(column unknown\): engine \[", msg), msg
+    assert rollout.sync_weights(policy, cfg, verify=True)["sync/verify_max_abs_diff"] <= 1e-3  # repaired
+
+
 def test_shm_file_is_removed_with_its_syncer(env):
     rollout, policy = env["rollout"], env["policy"]("tp2")
     rollout.sync_weights(policy, SyncConfig(sync_transport="shm", timeout_s=60), verify=False)
@@ -382,8 +415,21 @@ def test_expert_parallel_policy_syncs_every_expert(env, by_value, tiny_model_fac
             assert _same_length_diff(policy, rollout, rollout.generate(PROMPTS, SAMPLING)) > 1e-2  # stale engine
             stats = rollout.sync_weights(policy, cfg, verify=True)
             assert stats["sync/verify_max_abs_diff"] <= 1e-3
-            assert stats["sync/digest_tensors"] > 0 and stats["sync/digest_skipped"] > 0  # the fused experts are not
+            # every engine tensor, the fused experts' slices too (2 fused tensors per expert and MoE layer)
+            assert stats["sync/digest_tensors"] > 2 * 2 * 4 and stats["sync/digest_skipped"] == 0
             assert _same_length_diff(policy, rollout, rollout.generate(PROMPTS, SAMPLING)) <= 1e-3
+        layer, expert = sync_faults.ZEROED_LAYER, sync_faults.ZEROED_EXPERT  # one of EP rank 1's experts
+        with sync_faults.by_value(), pytest.raises(DigestMismatchError) as err:
+            rollout.sync_weights(policy, cfg, transport=sync_faults.ZeroedExpertGloo, channel="zeroed-expert")
+        msg = str(err.value)
+        assert "\n" not in msg
+        # expert 2 is EP rank 1's local expert 0
+        assert re.search(rf"policy parameter decoder.layers.{layer}.mlp.experts.(local_experts.0.linear_fc1.weight|"
+                         rf"linear_fc1.weight0) \(expert-parallel rank 1\) "
+                         rf"\(HF model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight\) "
+                         rf"!= rollout rank 0 parameter model.layers.{layer}.mlp.experts.routed_experts.w13_weight \(sum and sum of "
+                         rf"squares, float32\) first at expert {expert}: engine \[0.0, 0.0\]", msg), msg
+        assert rollout.sync_weights(policy, cfg, verify=True)["sync/verify_max_abs_diff"] <= 1e-3  # repaired
     finally:
         if policy is not None:
             policy.shutdown()

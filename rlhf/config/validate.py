@@ -667,7 +667,11 @@ def _check_dpo(cfg: RunConfig) -> None:
              "a number >= 0 (the weight of the chosen answer's NLL)", o.nll_coef)
     _require(math.isfinite(o.orpo_lambda) and o.orpo_lambda >= 0, "algorithm.dpo.orpo_lambda",
              "a number >= 0 (the weight of orpo's odds-ratio term)", o.orpo_lambda)
-    if o.label_smoothing and o.loss in ("ipo", "orpo"):
+    _require(math.isfinite(o.kto_desirable_weight) and o.kto_desirable_weight > 0, "algorithm.dpo.kto_desirable_weight",
+             "a number > 0 (kto's lambda_D)", o.kto_desirable_weight)
+    _require(math.isfinite(o.kto_undesirable_weight) and o.kto_undesirable_weight > 0,
+             "algorithm.dpo.kto_undesirable_weight", "a number > 0 (kto's lambda_U)", o.kto_undesirable_weight)
+    if o.label_smoothing and o.loss in ("ipo", "orpo", "kto"):
         raise ConfigError(f"algorithm.dpo.label_smoothing applies to the sigmoid and simpo losses, not {o.loss}; "
                           "set it to 0")
     if o.nll_coef and o.loss == "orpo":

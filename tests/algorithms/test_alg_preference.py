@@ -127,7 +127,9 @@ def test_simpo_ignores_the_reference_and_metrics() -> None:
     assert torch.equal(m["rewards/accuracy"], (c > r).double())
     with pytest.raises(ValueError, match="needs the reference"):
         preference_loss(c, r, None, None, n, n, loss="sigmoid")
-    with pytest.raises(ValueError, match="unknown preference loss 'kto'"):
+    with pytest.raises(ValueError, match="unknown preference loss 'xpo'"):
+        preference_loss(c, r, c, r, n, n, loss="xpo")
+    with pytest.raises(ValueError, match="kto' needs the KL baseline"):
         preference_loss(c, r, c, r, n, n, loss="kto")
 
 

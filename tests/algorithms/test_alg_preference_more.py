@@ -185,3 +185,18 @@ def test_kto_baseline_edge_cases() -> None:
     assert kto_kl_baseline(-x, torch.zeros(2)).item() == 0.0
     ld, lu, _ = kto_loss(torch.zeros(2), torch.zeros(2), torch.zeros(1), torch.zeros(1), torch.tensor(0.0))
     assert torch.allclose(ld, torch.full((2,), 0.5)) and torch.allclose(lu, torch.full((1,), 0.5))
+
+
+def test_kto_as_a_preference_loss_is_the_mean_over_the_split_examples() -> None:
+    """`preference_loss(loss="kto")` on pairs: each pair a desirable and an undesirable example, so the pairs'
+    summed loss over the pair count is the mean of `kto_loss` over the 2B examples (no term joins a pair)."""
+    assert "kto" in PREFERENCE_LOSSES and "kto" not in REFERENCE_FREE_LOSSES
+    c, r, n_c, n_r = _pairs(3)
+    ref_c, ref_r = c.detach() - 1.5, r.detach() + 0.5
+    z0 = torch.tensor(0.7, dtype=c.dtype)
+    per_pair, m = preference_loss(c, r, ref_c, ref_r, n_c, n_r, loss="kto", beta=0.3, kl_baseline=z0,
+                                  kto_desirable_weight=1.2, kto_undesirable_weight=0.9)
+    ld, lu, _ = kto_loss(c, ref_c, r, ref_r, z0, beta=0.3, desirable_weight=1.2, undesirable_weight=0.9)
+    assert torch.allclose(per_pair.sum() / len(per_pair), torch.cat([ld, lu]).mean(), atol=1e-12)
+    assert torch.equal(m["kto/kl_baseline"], torch.full_like(per_pair, 0.7))
+    assert torch.allclose(m["rewards/chosen"], 0.3 * (c - ref_c).detach())

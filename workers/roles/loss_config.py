@@ -68,9 +68,11 @@ class PPOLossConfig(UpdateConfig):
 class PreferenceLossConfig:
     """The offline preference loss of the DPO step (`algorithms.preference_loss`)."""
 
-    # algorithms.PREFERENCE_LOSSES: sigmoid | ipo | simpo, orpo (these two reference-free)
+    # algorithms.PREFERENCE_LOSSES: sigmoid | ipo | simpo, orpo (these two reference-free) | kto (each pair split
+    # into a desirable and an undesirable example, against the reference's KL baseline)
     loss: str = "sigmoid"
-    beta: float = 0.1  # sigmoid: the KL strength; ipo: its tau; simpo: the reward scale (2.0-2.5 in the paper)
+    # sigmoid: the KL strength; ipo: its tau; simpo: the reward scale (2.0-2.5 in the paper); kto: its beta
+    beta: float = 0.1
     label_smoothing: float = 0.0  # sigmoid / simpo: probability that a pair's label is flipped (conservative DPO)
     simpo_gamma: float = 0.5  # simpo: the target reward margin
     # > 0: each pair's loss also gets nll_coef x the chosen answer's mean token NLL (RPO; OpenRLHF's
@@ -79,3 +81,7 @@ class PreferenceLossConfig:
     # orpo: the weight of the odds-ratio term next to the chosen answer's mean token NLL (the paper's lambda;
     # 0.1 there and TRL's default, which calls it beta)
     orpo_lambda: float = 0.1
+    # kto: the weights of desirable and undesirable examples (the paper's lambda_D, lambda_U; it keeps
+    # lambda_D n_D / (lambda_U n_U) in [1, 4/3], and split pairs give n_D = n_U)
+    kto_desirable_weight: float = 1.0
+    kto_undesirable_weight: float = 1.0  # kto: lambda_U (see kto_desirable_weight)

@@ -1,4 +1,10 @@
-"""The DPO runner: `run_dpo(cfg)` for `algorithm.name: dpo` (losses sigmoid | ipo | simpo | orpo, `algorithm.dpo`).
+"""The DPO runner: `run_dpo(cfg)` for `algorithm.name: dpo` (losses sigmoid | ipo | simpo | orpo | kto,
+`algorithm.dpo`).
+
+KTO trains each pair as two unpaired examples (the chosen answer desirable, the rejected one undesirable,
+`algorithms.preference_loss`); each batch also carries its pairs' mismatched prompt / answer rows
+(`rlhf.data.kto_examples`), whose policy-minus-reference log-ratio gives the KL baseline z0, and the reference
+log-probs of those rows come from the same source as the answers' (precomputed or the reference group).
 
 The policy is the SFT stage's worker group fed preference pairs (`rlhf.driver.stages.pairs`: data, run loop,
 metrics); each micro-batch of m pairs is one forward of 2m sequences.
@@ -31,6 +37,7 @@ import torch
 
 from algorithms import REFERENCE_FREE_LOSSES
 from rlhf.config import RunConfig
+from rlhf.data.kto_examples import kl_fields
 from rlhf.driver.stages.lm import global_batch_size, resolve_checkpoint, run_stage
 from rlhf.driver.stages.pairs import PairData, PairRun, build_pair_data
 from rlhf.errors import UserError
@@ -41,7 +48,7 @@ from workers.roles.loss_config import PreferenceLossConfig
 REF_FILE = "reference_logps.safetensors"
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy", "logps/chosen",
            "logps/rejected", "nll/chosen", "greedy_accuracy")
-LOSS_METRICS = {"orpo": ("orpo/or_loss",)}  # what a loss logs beyond METRICS
+LOSS_METRICS = {"orpo": ("orpo/or_loss",), "kto": ("kto/kl_baseline",)}  # what a loss logs beyond METRICS
 
 
 def _file_digest(path: str | None) -> str:
@@ -57,9 +64,11 @@ def _file_digest(path: str | None) -> str:
 def reference_key(cfg: RunConfig) -> str:
     """What the cached reference log-probs depend on: the pair files, the starting model and seq_length."""
     d, t = cfg.data, cfg.trainer
-    return json.dumps({"train": _file_digest(d.train_file), "val": _file_digest(d.val_file),
-                       "val_size": d.val_size, "seed": d.seed, "seq_length": d.seq_length,
-                       "model": str(cfg.model.path), "load": t.load or ""}, sort_keys=True)
+    key = {"train": _file_digest(d.train_file), "val": _file_digest(d.val_file), "val_size": d.val_size,
+           "seed": d.seed, "seq_length": d.seq_length, "model": str(cfg.model.path), "load": t.load or ""}
+    if cfg.algorithm.dpo.loss == "kto":  # also the mismatched rows of KTO's KL baseline
+        key["kto"] = True
+    return json.dumps(key, sort_keys=True)
 
 
 def reference_logps(cfg: RunConfig, data: PairData, group: Any, out: Path) -> dict[str, torch.Tensor]:
@@ -84,10 +93,15 @@ def reference_logps(cfg: RunConfig, data: PairData, group: Any, out: Path) -> di
     for split, ds in data.datasets().items():
         parts = []
         for lo in range(0, len(ds), chunk):
-            batch = Batch(ds.collate([ds[i] for i in range(lo, min(lo + chunk, len(ds)))]))
+            idx = list(range(lo, min(lo + chunk, len(ds))))
+            batch = Batch(ds.collate([ds[i] for i in idx]))
+            if data.kl:
+                for k, v in kl_fields(ds, idx).items():
+                    batch[k] = v
             parts.append(group.compute_pair_logps(batch))
         got = Batch.concat(parts)
-        ref[f"{split}_chosen"], ref[f"{split}_rejected"] = got["chosen_logps"], got["rejected_logps"]
+        for side in ("chosen", "rejected", "kl") if data.kl else ("chosen", "rejected"):
+            ref[f"{split}_{side}"] = got[f"{side}_logps"]
     tmp = path.with_name(path.name + ".tmp")
     save_file({k: v.clone() for k, v in ref.items()}, str(tmp), metadata={"key": key})  # each its own storage
     tmp.rename(path)
@@ -125,7 +139,8 @@ class DPORun(PairRun):
         if self.ref_group is not None:
             t0 = time.perf_counter()
             ref = self.ref_group.compute_pair_logps(batch)
-            batch["ref_chosen_logps"], batch["ref_rejected_logps"] = ref["chosen_logps"], ref["rejected_logps"]
+            for key in ref.keys():  # noqa: SIM118 - a Batch: chosen_logps, rejected_logps (kto: kl_logps)
+                batch[f"ref_{key}"] = ref[key]
             self.phase_times["time/reference"] = time.perf_counter() - t0
         return batch
 
@@ -156,4 +171,6 @@ def run_dpo(cfg: RunConfig) -> dict[str, float]:
     if cfg.algorithm.name != "dpo":
         raise UserError(f"algorithm.name: run_dpo runs dpo, got {cfg.algorithm.name!r}")
     Path(cfg.trainer.output_dir).mkdir(parents=True, exist_ok=True)
-    return run_stage(cfg, build_pair_data(cfg), DPORun)
+    data = build_pair_data(cfg)
+    data.kl = cfg.algorithm.dpo.loss == "kto"  # KTO's mismatched rows ride along (rlhf.data.kto_examples)
+    return run_stage(cfg, data, DPORun)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from rlhf.config import RunConfig
+from rlhf.data.kto_examples import kl_fields
 from rlhf.driver.stages.lm import LMRun
 from rlhf.driver.stages.lm_data import SampleOrder, _field, tokenizer_path
 from rlhf.errors import UserError
@@ -32,7 +33,9 @@ class PairData:
     val: Any = None
     val_rows: list[int] | None = None
     # {train,val}_{chosen,rejected}: [len(dataset)]; pairs held out of the train file (data.val_size) use train_*
+    # (and {train,val}_kl with `kl`)
     ref: dict[str, torch.Tensor] | None = None
+    kl: bool = False  # KTO: each batch carries its pairs' mismatched rows, `kl_<k>` (rlhf.data.kto_examples)
 
     def next_batch(self, n: int) -> Batch:
         return self._batch(self.train, "train", self.order.take(n))
@@ -47,10 +50,13 @@ class PairData:
 
     def _batch(self, ds: Any, split: str, idx: list[int]) -> Batch:
         out = Batch(ds.collate([ds[i] for i in idx]))
+        if self.kl:
+            for k, v in kl_fields(ds, idx).items():
+                out[k] = v
         if self.ref is not None:
             t = torch.as_tensor(idx, dtype=torch.long)
-            out["ref_chosen_logps"] = self.ref[f"{split}_chosen"][t]
-            out["ref_rejected_logps"] = self.ref[f"{split}_rejected"][t]
+            for side in ("chosen", "rejected", "kl") if self.kl else ("chosen", "rejected"):
+                out[f"ref_{side}_logps"] = self.ref[f"{split}_{side}"][t]
         return out
 
     def datasets(self) -> dict[str, Any]:

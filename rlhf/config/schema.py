@@ -174,10 +174,10 @@ class RewardConfig:
     # each within timeout_s in all; one that fails as a whole (no connection, timeout, HTTP 429 or 5xx) is sent
     # again up to `retries` times, after backoff_s, 2 x backoff_s, ...; failed samples are scored by on_error
     url: str | None = None
-    batch_size: int = 32
-    max_concurrency: int = 4
-    retries: int = 2
-    backoff_s: float = 0.5
+    batch_size: int = 32  # reward.url: samples per request
+    max_concurrency: int = 4  # reward.url: requests in flight at once
+    retries: int = 2  # reward.url: more attempts of a request that failed as a whole
+    backoff_s: float = 0.5  # reward.url: seconds before the first retry, doubled for each next one
     # an LLM judge scores the training rollouts instead (one of url, judge.model_path and model_path)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
 

@@ -134,3 +134,27 @@ def test_a_bad_score_fails_that_sample_alone():
         s = scorer(v.url, batch_size=10)
         assert score(s) == [1.0] + [-5.0] * 7 + [2.5, -5.0]
     assert s.pop_metrics()["reward/errors"] == 8.0
+
+
+def test_a_reply_that_trickles_in_past_the_timeout_is_a_timeout():
+    """Each chunk comes within the timeout, the whole reply does not: reward.timeout_s bounds the request in all."""
+    body = json.dumps({"scores": [1.0] * 10}).encode()
+    with verifier(lambda b, n: (200, [body[i:i + 4] for i in range(0, len(body), 4)], 0.1)) as v:
+        s = scorer(v.url, timeout_s=0.5, batch_size=10, retries=0)
+        t0 = time.monotonic()
+        assert score(s) == [-5.0] * 10
+        assert time.monotonic() - t0 < 2.0
+    assert s.pop_metrics()["reward/timeouts"] == 10.0
+
+
+def test_redirects_are_not_followed_and_proxy_variables_are_not_used(monkeypatch):
+    with verifier(lambda b, n: (307, b"", 0.0)) as v:
+        assert score(scorer(v.url, batch_size=10)) == [-5.0] * 10
+    assert v.requests == 1  # the redirect's target was never asked
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.setenv(name, closed_port_url().rsplit("/", 1)[0])
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    with verifier(scores_reply(lambda sample: 3.0)) as v:
+        assert score(scorer(v.url, batch_size=10)) == [3.0] * 10
+    assert v.requests == 1

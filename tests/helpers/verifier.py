@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-# reply(body, n) -> (HTTP status, reply bytes, seconds to wait before answering); `n` counts requests from 1
-Reply = Callable[[dict[str, Any], int], tuple[int, bytes, float]]
+# reply(body, n) -> (HTTP status, reply bytes, seconds to wait before answering); `n` counts requests from 1.
+# A list of byte chunks instead is sent as one body, chunk after chunk, with the wait before each.
+Reply = Callable[[dict[str, Any], int], tuple[int, bytes | list[bytes], float]]
 
 
 @dataclass
@@ -57,12 +58,20 @@ def verifier(reply: Reply, path: str = "/score") -> Iterator[Verifier]:
                 state.max_in_flight = max(state.max_in_flight, state.in_flight)
             try:
                 status, data, delay = reply(body, n)
-                time.sleep(delay)
+                chunks = data if isinstance(data, list) else [data]
+                if not isinstance(data, list):
+                    time.sleep(delay)
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
+                self.send_header("Content-Length", str(sum(len(c) for c in chunks)))
+                if status in (301, 302, 307, 308):
+                    self.send_header("Location", "/elsewhere")
                 self.end_headers()
-                self.wfile.write(data)
+                for chunk in chunks:
+                    if isinstance(data, list):
+                        time.sleep(delay)
+                    self.wfile.write(chunk)
+                    self.wfile.flush()
             except (BrokenPipeError, ConnectionResetError):  # the client gave up (its timeout)
                 pass
             finally:

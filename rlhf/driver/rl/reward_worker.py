@@ -104,7 +104,7 @@ def encode(value: Any) -> dict[str, Any]:
 
 def _call_agent(fn: Any, base_url: str, api_key: str, timeout_s: float, task: Any) -> dict[str, Any]:
     """Run an agent on one task with a client of the endpoint; its reward, or None (scored by reward.fn)."""
-    import openai
+    import openai  # imported before the process reported ready: not in the session's time
 
     with openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout_s, max_retries=0) as client:
         value = fn(client, task)
@@ -145,6 +145,8 @@ def main() -> int:
         fn = getattr(importlib.import_module(module_name), fn_name)
         if not callable(fn):
             raise TypeError(f"{fn_name} is a {type(fn).__name__}, not a function")
+        if agent:
+            importlib.import_module("openai")
     except Exception as e:  # noqa: BLE001 - reported to the driver as one line
         _send(out, {"error": f"cannot load {spec}: {type(e).__name__}: {e}"})
         return 1

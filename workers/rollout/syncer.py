@@ -14,12 +14,16 @@ import torch
 from workers.batch import Batch
 from workers.rollout.config import SyncConfig
 from workers.rollout.cpu.shm import ShmTransport, one_host_nodes
-from workers.rollout.digest import HeldDigests, Sent, compare
+from workers.rollout.digest import DIGEST_METRICS, HeldDigests, Sent, compare
 from workers.rollout.registry import choose_transport
 from workers.rollout.transport import SyncSession, Transport, WeightSyncError, is_timeout, sync_error
 
 log = logging.getLogger(__name__)
 _IDS = itertools.count(1)
+# of a sync's stats when the log-prob canary ran (`canary_due`): the largest and the mean |engine - policy|
+# log-prob over the canary batch's tokens (all engines), and the tolerance they were held to
+CANARY_METRICS = ("mismatch/canary_max_abs_diff", "mismatch/canary_mean_abs_diff", "mismatch/canary_tolerance")
+SYNC_METRICS = (*DIGEST_METRICS, *CANARY_METRICS)  # of a sync's stats, logged with the step that synced
 
 
 class WeightSyncer:
@@ -60,8 +64,14 @@ class WeightSyncer:
                       digest=self.cfg.verify_digest)
         return SyncSession(**{**fields, **self.transport.session_fields(self), **overrides})
 
+    def canary_due(self) -> bool:
+        """Whether the sync just counted runs the log-prob canary: the first, then every `verify_every`-th."""
+        every = self.cfg.verify_every
+        return every > 0 and (self.num_syncs - 1) % every == 0
+
     def sync(self, verify: bool | None = None, **session_overrides: Any) -> dict[str, Any]:
-        """Push the policy's current weights into every engine; verify when asked (default: first sync)."""
+        """Push the policy's current weights into every engine; run the log-prob canary when asked (default:
+        when `canary_due`)."""
         if self.cfg.sync_lora_adapter:
             return self._finish(self.sync_adapter(), verify)
         t0 = time.perf_counter()
@@ -108,9 +118,9 @@ class WeightSyncer:
 
     def _finish(self, stats: dict[str, Any], verify: bool | None) -> dict[str, Any]:
         if verify is None:
-            verify = (self.cfg.verify_first_sync and self.num_syncs == 1) or self.cfg.verify_every_sync
+            verify = self.canary_due()
         if verify:
-            stats["sync/verify_max_abs_diff"] = self.verify()
+            stats.update(self.canary())
         how = "lora adapter" if self.cfg.sync_lora_adapter else self.transport.name
         log.info("weight sync %d (%s): %.3fs, %.1f MB", self.num_syncs, how, stats["sync/time_s"],
                  stats["sync/bytes"] / 1e6)
@@ -149,18 +159,27 @@ class WeightSyncer:
                                               generator=g).tolist()
         return self._verify_seqs
 
-    def verify(self) -> float:
-        """Max |engine - policy| logprob over the fixed sequences; raises WeightSyncError above tolerance."""
-        seqs = self.verification_sequences()
-        diff = compare_logprobs(self.policy, self.rollout, seqs)
+    def tolerance(self) -> float:
+        """The canary's tolerance: `verify_tolerance`, or `verify_tolerance_16bit` when either side computes in 16 bits."""
         full = self.rollout.dtype == self.cfg.policy_dtype == "float32"
-        tol = self.cfg.verify_tolerance if full else self.cfg.verify_tolerance_16bit
-        if not diff <= tol:
+        return self.cfg.verify_tolerance if full else self.cfg.verify_tolerance_16bit
+
+    def canary(self) -> dict[str, float]:
+        """The log-prob canary: every engine's and the policy's log-probs of the fixed canary batch
+        (`verification_sequences`); returns `CANARY_METRICS`, raises WeightSyncError above the tolerance."""
+        seqs = self.verification_sequences()
+        worst, mean = logprob_gaps(self.policy, self.rollout, seqs)
+        tol = self.tolerance()
+        if not worst <= tol:
             raise WeightSyncError(
                 f"weight sync verification failed: the rollout engines' logprobs differ from the policy's "
-                f"compute_logprobs by up to {diff:.3g} (tolerance {tol:g}, engine dtype {self.rollout.dtype}, "
+                f"compute_logprobs by up to {worst:.3g} (tolerance {tol:g}, engine dtype {self.rollout.dtype}, "
                 f"policy dtype {self.cfg.policy_dtype}) on {len(seqs)} fixed sequences after sync {self.num_syncs}")
-        return diff
+        return dict(zip(CANARY_METRICS, (worst, mean, tol)))
+
+    def verify(self) -> float:
+        """The canary's max |engine - policy| logprob; raises WeightSyncError above tolerance."""
+        return self.canary()["mismatch/canary_max_abs_diff"]
 
 
 def check_digests(sent: list[dict[str, Any]], recv: list[dict[str, Any]]) -> dict[str, float]:
@@ -190,15 +209,18 @@ def check_digests(sent: list[dict[str, Any]], recv: list[dict[str, Any]]) -> dic
 
 def compare_logprobs(policy_group: Any, rollout: Any, seqs: list[list[int]], prompt_len: int = 4) -> float:
     """Max abs difference between every engine's and the policy's logprobs of the tokens after `prompt_len`."""
+    return logprob_gaps(policy_group, rollout, seqs, prompt_len)[0]
+
+
+def logprob_gaps(policy_group: Any, rollout: Any, seqs: list[list[int]], prompt_len: int = 4) -> tuple[float, float]:
+    """(max, mean) |engine - policy| logprob of the tokens after `prompt_len`, over every engine."""
     ids = torch.tensor(seqs, dtype=torch.long)
     batch = Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids),
                    "responses": ids[:, prompt_len:].clone(), "response_mask": torch.ones_like(ids[:, prompt_len:])})
     pol = policy_group.compute_logprobs(batch)["logprobs"].float()
-    worst = 0.0
-    for eng in rollout.score_all(seqs):
-        got = torch.tensor(eng, dtype=torch.float32)[:, prompt_len - 1:]
-        worst = max(worst, float((got - pol).abs().max()))
-    return worst
+    gaps = [(torch.tensor(eng, dtype=torch.float32)[:, prompt_len - 1:] - pol).abs() for eng in rollout.score_all(seqs)]
+    every = torch.cat([g.flatten() for g in gaps])
+    return float(every.max()), float(every.mean())
 
 
 def _new_channel() -> str:

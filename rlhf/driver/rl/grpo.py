@@ -13,8 +13,8 @@ from rlhf.driver.rl.context import StepContext, rollout_metrics
 from rlhf.workflow import Roles, loss_config
 from workers.batch import Batch
 from workers.roles.routes import POLICY_ROUTES_KEY, ROUTES_KEY
-from workers.rollout.digest import DIGEST_METRICS
 from workers.rollout.prompts import concat_rollouts
+from workers.rollout.syncer import SYNC_METRICS
 
 
 def informative_groups(batch: Batch) -> Batch:
@@ -129,4 +129,4 @@ def grpo_step(roles: Roles, ctx: StepContext) -> dict[str, float]:
     ctx.kl_ctrl.update(adv_metrics.get("kl", 0.0), len(batch))
     return {**rollout_metrics(batch), **adv_metrics, **train_metrics, "policy_loss": train_metrics.get("pg_loss", 0.0),
             "kl_coef": ctx.kl_ctrl.value,
-            "sync/bytes": synced["sync/bytes"], **{k: synced[k] for k in DIGEST_METRICS if k in synced}}
+            "sync/bytes": synced["sync/bytes"], **{k: synced[k] for k in SYNC_METRICS if k in synced}}

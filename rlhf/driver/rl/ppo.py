@@ -6,7 +6,7 @@ from rlhf.driver.rl.advantages import add_advantages
 from rlhf.driver.rl.context import StepContext, rollout_metrics
 from rlhf.driver.rl.grpo import add_logprobs, generate_and_score
 from rlhf.workflow import Roles, loss_config, value_loss_config
-from workers.rollout.digest import DIGEST_METRICS
+from workers.rollout.syncer import SYNC_METRICS
 
 
 def ppo_step(roles: Roles, ctx: StepContext) -> dict[str, float]:
@@ -27,4 +27,4 @@ def ppo_step(roles: Roles, ctx: StepContext) -> dict[str, float]:
     critic_metrics = {f"critic/{k}": v for k, v in critic_metrics.items()}
     return {**rollout_metrics(batch), **adv_metrics, **policy_metrics, **critic_metrics,
             "policy_loss": policy_metrics.get("pg_loss", 0.0), "kl_coef": ctx.kl_ctrl.value,
-            "sync/bytes": synced["sync/bytes"], **{k: synced[k] for k in DIGEST_METRICS if k in synced}}
+            "sync/bytes": synced["sync/bytes"], **{k: synced[k] for k in SYNC_METRICS if k in synced}}

@@ -155,7 +155,7 @@ def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
             start = state["step"]
             skipped_in_a_row = int(state.get("consecutive_nonfinite", 0))
             print(f"resumed from {resume_from} at step {start}", flush=True)
-        roles.rollout.sync_weights(roles.policy, verify=cfg.rollout.verify_first_sync)
+        roles.rollout.sync_weights(roles.policy)  # the first sync: the log-prob canary unless verify_every=0
         if resume_from is not None:  # the version count and (async) the buffer's samples
             roles.rollout.load_state_dict(state.get("rollout", {}))
         logger = run.metrics_logger(start)
@@ -191,8 +191,6 @@ def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
                 prompts = loader.next_batch()
             ctx = StepContext(cfg, step, prompts, kl_ctrl, loader.next_batch, PhaseTimer(), upcoming=upcoming)
             metrics = step_fn(roles, ctx)
-            if cfg.rollout.verify_every_sync:
-                roles.rollout.sync_weights(roles.policy, verify=True)
             metrics.update(ctx.metrics)
             metrics.update(ctx.timer.pop())
             metrics["step_time_s"] = time.perf_counter() - t0

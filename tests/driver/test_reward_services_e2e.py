@@ -18,7 +18,9 @@ from tests.helpers.verifier import length_score, verifier
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
-RUN = [*FAST, "trainer.total_steps=2", "trainer.export_hf=false", "trainer.save_every=0"]
+# no warm start (what the policy answers does not matter here), validation at step 0 and after the last step
+RUN = [*FAST, "model.warm_start_steps=0", "trainer.val_every=0", "trainer.total_steps=2", "trainer.export_hf=false",
+       "trainer.save_every=0"]
 BATCH = 16  # FAST: 4 prompts x 4 samples a step, 16 validation prompts
 
 
@@ -52,16 +54,16 @@ def test_grpo_scores_with_a_remote_verifier(tmp_path):
 
 
 def test_grpo_scores_with_an_llm_judge(tmp_path, tiny_model_factory):
-    """The judge answers "Score: 9" to a response ending in 0-4 and nothing (malformed: the fallback -1,
-    counted) to any other, so 16 samples with m malformed verdicts have the mean reward (9 (16 - m) - m) / 16:
+    """The judge answers "Score: 9" to a response whose last token has an even id (or is 0-4) and nothing
+    (malformed: the fallback -1, counted) to any other, so 16 samples with m malformed verdicts have the mean reward (9 (16 - m) - m) / 16:
     each mean the run logged (the step's, and validation's after the last step) gives a whole m, and the
     malformed verdicts counted are their sum."""
-    judge = planted_judge(tmp_path / "judge", base=tiny_model_factory("tiny-llama"))
+    judge = planted_judge(tmp_path / "judge", base=tiny_model_factory("tiny-llama"), even_ids=True)
     run = tmp_path / "run"
     r = rlhf("train", "configs/grpo_tiny.yaml", *RUN, f"reward.judge.model_path={judge}", "reward.judge.chat=false",
              "reward.judge.prompt_template=Judge {response}", "reward.judge.max_tokens=8",
              "reward.judge.num_cpus=0.5", "reward.judge.kv_cache_gb=0.05", "reward.fallback_score=-1",
-             "trainer.val_every=0", f"trainer.output_dir={run}")
+             f"trainer.output_dir={run}")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     rows = metrics(run)
     steps = [row for row in rows if row["step"] > 0]

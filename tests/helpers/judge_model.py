@@ -17,9 +17,10 @@ EMBED_SCALE, HEAD_SCALE = 4.0, 10.0
 
 
 def planted_judge(out: Path, verdict: str = "Score: 9", triggers: tuple[str, ...] = ("0", "1", "2", "3", "4"),
-                  base: str | Path | None = None) -> Path:
+                  base: str | Path | None = None, even_ids: bool = False) -> Path:
     """Write the judge's HF folder to `out` (from a copy of `base`, a tiny-llama folder, when given) and return
-    it."""
+    it. With `even_ids` every ordinary token of even id is a trigger too (about half of a random text's last
+    tokens)."""
     import shutil
 
     import torch
@@ -35,12 +36,15 @@ def planted_judge(out: Path, verdict: str = "Score: 9", triggers: tuple[str, ...
     tok = AutoTokenizer.from_pretrained(out)
     chain = tok.encode(verdict, add_special_tokens=False)
     starts = [tok.encode(t, add_special_tokens=False)[-1] for t in triggers]
+    if even_ids:
+        special = set(tok.all_special_ids)
+        starts += [t for t in range(0, len(tok), 2) if t not in special and t not in chain and t not in starts]
     if len(set(chain)) != len(chain) or set(chain) & set(starts):
         raise ValueError(f"the verdict {verdict!r} repeats a token or shares one with a trigger")
     weights = load_file(out / "model.safetensors")
     embed, head = weights["model.embed_tokens.weight"], weights["lm_head.weight"]
     hidden = embed.shape[1]
-    if 2 + len(chain) + len(starts) > hidden:
+    if 2 + len(chain) > hidden:  # the start state, the triggers' state and one per verdict token
         raise ValueError("more states than hidden dimensions")
 
     def direction(state: int) -> torch.Tensor:

@@ -183,7 +183,7 @@ def test_sft_packed_pp2_from_pretrained_checkpoint(run_a, lm_inputs, tmp_path):
 
 
 def test_nonfinite_steps_are_skipped_then_stop(ray_session, lm_inputs, tmp_path):
-    from rlhf.driver.stages.lm import NonFiniteError
+    from rlhf.errors import NonFiniteError
 
     out = tmp_path / "diverge"
     with pytest.raises(NonFiniteError, match=r"stopped at step \d: 2 optimizer steps in a row"):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +15,10 @@ import torch
 from algorithms import make_kl_controller
 from rlhf.config import RunConfig
 from rlhf.driver.infra.metrics import PhaseTimer
-from rlhf.driver.infra.run_checkpoints import check_resume, export_hf, resume_state, rng_state, set_rng_state
+from rlhf.driver.infra.run_checkpoints import export_hf
+from rlhf.driver.infra.run_loop import NonFiniteGuard, RunLoop
 from rlhf.driver.infra.scaffold import RunScaffold
 from rlhf.driver.rl.context import StepContext, accuracy
-from rlhf.errors import NonFiniteError
 from rlhf.workflow import Roles
 
 StepFn = Callable[[Roles, StepContext], dict[str, float]]
@@ -58,21 +57,21 @@ def eval_tasks(cfg: RunConfig) -> Callable[[Roles], dict[str, float]] | None:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
     opts = EvalOptions(max_tokens=t.eval_max_tokens, seed=t.seed, progress=False)  # the training bar is on
     return lambda roles: eval_metrics(roles.rollout.group, tokenizer, tasks, opts)
-class NonFiniteGuard:
-    """Stops a run whose policy updates keep being skipped (NaN/Inf gradient norm), as the LM runner does:
-    a step counts when every optimizer step of its policy update was skipped."""
 
-    def __init__(self, limit: int, count: int = 0) -> None:
-        self.limit, self.count = limit, count
 
-    def check(self, step: int, metrics: dict[str, float]) -> None:
-        skipped, total = metrics.get("skipped_steps", 0.0), metrics.get("num_steps", 0.0)
-        self.count = self.count + 1 if total and skipped >= total else 0
-        if self.count >= self.limit:
-            raise NonFiniteError(
-                f"stopped at step {step}: the policy update of {self.count} steps in a row was skipped for a "
-                f"NaN/Inf gradient norm (policy.optim.max_consecutive_nonfinite={self.limit}); check the rewards "
+def nonfinite_guard(cfg: RunConfig) -> NonFiniteGuard:
+    """Stops a run whose policy updates keep being skipped (NaN/Inf gradient norm), as the LM stages do: a step
+    counts when every optimizer step of its policy update was skipped."""
+    def skipped(metrics: dict[str, float]) -> bool:
+        total = metrics.get("num_steps", 0.0)
+        return bool(total and metrics.get("skipped_steps", 0.0) >= total)
+
+    def message(step: int, count: int, limit: int) -> str:
+        return (f"stopped at step {step}: the policy update of {count} steps in a row was skipped for a "
+                f"NaN/Inf gradient norm (policy.optim.max_consecutive_nonfinite={limit}); check the rewards "
                 "and advantages or lower policy.optim.lr, then resume from the last checkpoint")
+
+    return NonFiniteGuard(cfg.policy.optim.max_consecutive_nonfinite, skipped, message)
 
 
 def default_step_fn(cfg: RunConfig) -> StepFn:
@@ -131,37 +130,28 @@ def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
     report_sandbox(cfg)
     report_preset(cfg)
     kl_ctrl = make_kl_controller(a.kl_ctrl, a.kl_coef, target=a.kl_target, horizon=a.kl_horizon)
-    last: dict[str, float] = {}
     with RunScaffold(cfg) as run:
         torch.manual_seed(t.seed)
-        resume_from = run.resume_point()
-        if resume_from is not None:  # before any worker starts
-            state = run.ckpt.driver_state(resume_from)
-            check_resume(state, cfg, resume_from, FRESH_START)
+        loop = RunLoop(cfg, run, FRESH_START, nonfinite_guard(cfg))  # checks a resume before any worker starts
         if megatron_warm_start_due(cfg, run.out):
             from rlhf.driver.warmstart.megatron_sft import megatron_warm_start
 
             cfg.model.path = str(megatron_warm_start(cfg, run.out, warm_start_items(cfg, run.out),
                                                      [(p["prompt"] or p["messages"], p["ground_truth"]) for p in val]))
         roles = run.own(Roles.create(cfg, run.out))
-        start = skipped_in_a_row = 0
-        if resume_from is not None:
+        state, resume_from = loop.state, loop.resume_from
+        if state is not None and resume_from is not None:
             roles.policy.load(resume_from / "policy", trust=t.trust_checkpoint)
             if roles.critic is not None:
                 roles.critic.load(resume_from / "critic", trust=t.trust_checkpoint)
             loader.load_state_dict(state["loader"])
             kl_ctrl.load_state_dict(state["kl_ctrl"])
-            set_rng_state(state["rng"])
-            start = state["step"]
-            skipped_in_a_row = int(state.get("consecutive_nonfinite", 0))
-            print(f"resumed from {resume_from} at step {start}", flush=True)
+            loop.restore()
+        start = loop.step
         roles.rollout.sync_weights(roles.policy)  # the first sync: the log-prob canary unless verify_every=0
-        if resume_from is not None:  # the version count and (async) the buffer's samples
+        if state is not None:  # the version count and (async) the buffer's samples
             roles.rollout.load_state_dict(state.get("rollout", {}))
         logger = run.metrics_logger(start)
-        if val and start == 0:
-            logger.log(0, {**validate(roles, val), **roles.reward.pop_metrics()})
-        nonfinite = NonFiniteGuard(cfg.policy.optim.max_consecutive_nonfinite, skipped_in_a_row)
 
         def write_roles(tmp: Path) -> None:
             roles.policy.save(tmp / "policy")
@@ -171,42 +161,44 @@ def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
         # one_step_off draws the next step's prompts a step early; a checkpoint keeps the loader as it was
         # before that draw, so a resumed run draws them again (their in-flight samples are not saved)
         ahead = cfg.rollout.mode == "one_step_off"
-        prompts: list[dict[str, Any]] = loader.next_batch() if ahead and start < t.total_steps else []
-        upcoming: list[dict[str, Any]] | None = None
-        loader_state: dict[str, int] | None = None
+        drawn: dict[str, Any] = {"prompts": None, "upcoming": None, "loader_state": None}
 
         def save(step: int) -> None:
-            state = {"loader": loader_state or loader.state_dict(), "kl_ctrl": kl_ctrl.state_dict(),
-                     "rng": rng_state(), "consecutive_nonfinite": nonfinite.count,
-                     "rollout": roles.rollout.state_dict(), **resume_state(cfg)}
-            run.ckpt.save(step, state, write_roles)
+            loop.save(step, {"loader": drawn["loader_state"] or loader.state_dict(), "kl_ctrl": kl_ctrl.state_dict(),
+                             "rollout": roles.rollout.state_dict()}, write_roles)
 
-        run.stop_point(start, None)  # a signal while the roles started: nothing new to save
-        for step in range(start + 1, t.total_steps + 1):
+        def train_step(step: int) -> dict[str, float]:
             t0 = time.perf_counter()
             if ahead:
-                loader_state = loader.state_dict()
-                prompts, upcoming = upcoming or prompts, loader.next_batch() if step < t.total_steps else None
+                if drawn["prompts"] is None:  # the first step's prompts, drawn after the step-0 validation
+                    drawn["prompts"] = loader.next_batch()
+                drawn["loader_state"] = loader.state_dict()
+                drawn["prompts"] = drawn["upcoming"] or drawn["prompts"]
+                drawn["upcoming"] = loader.next_batch() if step < t.total_steps else None
             else:
-                prompts = loader.next_batch()
-            ctx = StepContext(cfg, step, prompts, kl_ctrl, loader.next_batch, PhaseTimer(), upcoming=upcoming)
+                drawn["prompts"] = loader.next_batch()
+            ctx = StepContext(cfg, step, drawn["prompts"], kl_ctrl, loader.next_batch, PhaseTimer(),
+                              upcoming=drawn["upcoming"])
             metrics = step_fn(roles, ctx)
             metrics.update(ctx.metrics)
             metrics.update(ctx.timer.pop())
             metrics["step_time_s"] = time.perf_counter() - t0
             metrics["tokens_per_s"] = metrics.get("response_tokens", 0.0) / metrics["step_time_s"]
+            return metrics
+
+        def after(step: int, metrics: dict[str, float]) -> dict[str, float]:
+            extra: dict[str, float] = {}
             if val and run.due(step, t.val_every):
-                metrics.update(validate(roles, val))
+                extra.update(validate(roles, val))
             if evals and run.due(step, t.eval_every):
-                metrics.update(evals(roles))
-            metrics.update(roles.reward.pop_metrics())
-            logger.log(step, metrics)
-            nonfinite.check(step, metrics)
-            last = metrics
-            saved = run.due(step, t.save_every)
-            if saved:
-                save(step)
-            run.stop_point(step, None if saved else partial(save, step))
+                extra.update(evals(roles))
+            extra.update(roles.reward.pop_metrics())
+            return extra
+
+        def first_validation() -> dict[str, float]:
+            return {**validate(roles, val), **roles.reward.pop_metrics()}
+
+        last = loop.run(logger, train_step, after, save, first_validation if val else None)
         if t.export_hf:
             export_hf(run.out / "hf", lambda d: roles.policy.export_hf(Path(d), cfg.model.tokenizer_path or cfg.model.path))
     return last

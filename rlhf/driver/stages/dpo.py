@@ -38,6 +38,7 @@ import torch
 from algorithms import REFERENCE_FREE_LOSSES
 from rlhf.config import RunConfig
 from rlhf.data.kto_examples import kl_fields
+from rlhf.driver.infra.run_loop import RunLoop
 from rlhf.driver.stages.lm import global_batch_size, resolve_checkpoint, run_stage
 from rlhf.driver.stages.pairs import PairData, PairRun, build_pair_data
 from rlhf.errors import UserError
@@ -128,8 +129,8 @@ class DPORun(PairRun):
     METRICS = METRICS
     ref_group: Any = None
 
-    def __init__(self, cfg: RunConfig, data: PairData, group: Any, frame: Any) -> None:
-        super().__init__(cfg, data, group, frame)
+    def __init__(self, cfg: RunConfig, data: PairData, group: Any, frame: Any, loop: RunLoop) -> None:
+        super().__init__(cfg, data, group, frame, loop)
         self.METRICS = METRICS + LOSS_METRICS.get(cfg.algorithm.dpo.loss, ())
 
     def _loss_config(self) -> PreferenceLossConfig:

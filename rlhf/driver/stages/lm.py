@@ -20,17 +20,11 @@ from typing import Any
 from rlhf.config import RunConfig
 from rlhf.driver.infra.metrics import MetricsLogger
 from rlhf.driver.infra.resume_point import Unusable, read_pointer
-from rlhf.driver.infra.run_checkpoints import (
-    CheckpointManager,
-    check_resume,
-    export_hf,
-    resume_state,
-    rng_state,
-    set_rng_state,
-)
+from rlhf.driver.infra.run_checkpoints import CheckpointManager, check_resume, export_hf
+from rlhf.driver.infra.run_loop import NonFiniteGuard, RunLoop
 from rlhf.driver.infra.scaffold import RunScaffold
 from rlhf.driver.stages.lm_data import build_lm_data, check_lm_inputs, tokenizer_path
-from rlhf.errors import NonFiniteError, UserError
+from rlhf.errors import UserError
 
 FRESH_START = "start a new run with trainer.load=... trainer.no_load_optim=true"
 ROLE = "policy"  # the worker group of the pretraining, SFT and DPO stages (and its checkpoint folder)
@@ -83,39 +77,36 @@ class LMRun:
 
         return PolicyWorker
 
-    def __init__(self, cfg: RunConfig, data: Any, group: Any, frame: RunScaffold) -> None:
-        self.cfg, self.data, self.group, self.frame = cfg, data, group, frame
+    def __init__(self, cfg: RunConfig, data: Any, group: Any, frame: RunScaffold, loop: RunLoop) -> None:
+        self.cfg, self.data, self.group, self.frame, self.loop = cfg, data, group, frame, loop
         self.gbs = global_batch_size(cfg)
-        self.step = 0
-        self.consecutive_nonfinite = 0
         self.skipped_total = 0
+
+    @property
+    def step(self) -> int:
+        return self.loop.step
 
     # ---- state --------------------------------------------------------------------------------
     def restore(self) -> None:
         """Resume from the latest checkpoint (trainer.resume=auto), else start from trainer.load."""
         t = self.cfg.trainer
-        latest = self.frame.resume_point()
-        if latest is not None:
-            state = CheckpointManager.driver_state(latest)
+        state, latest = self.loop.state, self.loop.resume_from
+        if state is not None and latest is not None:
             self.group.load_checkpoint(str(latest / self.role), load_optimizer=True, load_rng=True,
                                        trust=self.cfg.trainer.trust_checkpoint)
             self.data.order.load_state_dict(state["data"])
-            set_rng_state(state["rng"])
-            self.step = int(state["step"])
-            self.consecutive_nonfinite = int(state.get("consecutive_nonfinite", 0))
             self.skipped_total = int(state.get("skipped_total", 0))
-            print(f"resumed from {latest} at step {self.step}", flush=True)
+            self.loop.restore()
         elif t.load:
             path = resolve_checkpoint(t.load, self.role)
             self.group.load_checkpoint(str(path), load_optimizer=not t.no_load_optim, load_rng=not t.no_load_rng,
                                        trust=t.trust_checkpoint)
             print(f"loaded {path} (optimizer: {not t.no_load_optim}, rng: {not t.no_load_rng})", flush=True)
 
-    def save(self) -> Path:
-        state = {"data": self.data.order.state_dict(), "rng": rng_state(), **resume_state(self.cfg),
-                 "consecutive_nonfinite": self.consecutive_nonfinite, "skipped_total": self.skipped_total,
+    def save(self, step: int) -> Path:
+        state = {"data": self.data.order.state_dict(), "skipped_total": self.skipped_total,
                  "algorithm": self.cfg.algorithm.name, "global_batch_size": self.gbs}
-        return self.frame.ckpt.save(self.step, state, lambda tmp: self.group.save_checkpoint(str(tmp / self.role)))
+        return self.loop.save(step, state, lambda tmp: self.group.save_checkpoint(str(tmp / self.role)))
 
     def start(self) -> None:
         """Before the first step of this process: resume or load (`restore`)."""
@@ -139,7 +130,6 @@ class LMRun:
         out = self.group.train_lm_step(batch)
         dt = time.perf_counter() - t0
         skipped = bool(out.get("skipped", 0.0))
-        self.consecutive_nonfinite = self.consecutive_nonfinite + 1 if skipped else 0
         self.skipped_total += int(skipped)
         return {
             "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"], "skipped": float(skipped),
@@ -151,44 +141,33 @@ class LMRun:
             **{k: out[k] for k in ("loss_scale", "loss_scale_backoff") if k in out},  # fp16
         }
 
+    def after_step(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
+        """Said when the step's optimizer step was skipped; validation when due."""
+        if metrics["skipped"]:
+            print(f"step {step}: non-finite grad norm {metrics['grad_norm']}: optimizer step skipped "
+                  f"({self.loop.guard.count} in a row)", flush=True)
+        return self.validate() if self.frame.due(step, self.cfg.trainer.val_every) else {}
+
     def run(self, logger: MetricsLogger) -> dict[str, float]:
-        t = self.cfg.trainer
-        limit = self.cfg.policy.optim.max_consecutive_nonfinite
-        if self.step == 0:
-            first = self.validate()
-            if first:
-                logger.log(0, first)
-        last: dict[str, float] = {}
-        self.frame.stop_point(self.step, None)  # a signal while the workers started: nothing new to save
-        while self.step < t.total_steps:
-            self.step += 1
-            metrics = self.train_step()
-            if metrics["skipped"]:
-                print(f"step {self.step}: non-finite grad norm {metrics['grad_norm']}: optimizer step skipped "
-                      f"({self.consecutive_nonfinite} in a row)", flush=True)
-            if self.consecutive_nonfinite >= limit:
-                logger.log(self.step, metrics)
-                raise NonFiniteError(
-                    f"stopped at step {self.step}: {self.consecutive_nonfinite} optimizer steps in a row had a "
-                    f"NaN/Inf gradient norm (policy.optim.max_consecutive_nonfinite={limit}); lower "
-                    f"policy.optim.lr or check the data, then resume from the last checkpoint")
-            if self.frame.due(self.step, t.val_every):
-                metrics.update(self.validate())
-            logger.log(self.step, metrics)
-            last = metrics
-            saved = self.frame.due(self.step, t.save_every)
-            if saved:
-                self.save()
-            self.frame.stop_point(self.step, None if saved else self.save)
-        return last
+        return self.loop.run(logger, lambda step: self.train_step(), self.after_step, self.save, self.validate)
 
 
-def check_resumable(cfg: RunConfig, latest: Path | None, role: str) -> None:
-    """Refuse a resume from `latest`, or a `trainer.load` with its optimizer, that the checkpoint's saved
-    schedule and layout cannot honour (`check_resume`)."""
+def nonfinite_guard(cfg: RunConfig) -> NonFiniteGuard:
+    """Stops the run after policy.optim.max_consecutive_nonfinite optimizer steps in a row skipped for a NaN/Inf
+    gradient norm."""
+    def message(step: int, count: int, limit: int) -> str:
+        return (f"stopped at step {step}: {count} optimizer steps in a row had a NaN/Inf gradient norm "
+                f"(policy.optim.max_consecutive_nonfinite={limit}); lower policy.optim.lr or check the data, then "
+                "resume from the last checkpoint")
+
+    return NonFiniteGuard(cfg.policy.optim.max_consecutive_nonfinite, lambda m: bool(m["skipped"]), message)
+
+
+def check_loadable(cfg: RunConfig, role: str) -> None:
+    """Refuse a `trainer.load` with its optimizer that the checkpoint's saved schedule and layout cannot honour
+    (`check_resume`; a resume is checked by the `RunLoop`)."""
     t = cfg.trainer
-    step_dir = latest if latest is not None else (
-        resolve_checkpoint(t.load, role).parent if t.load and not t.no_load_optim else None)
+    step_dir = resolve_checkpoint(t.load, role).parent if t.load and not t.no_load_optim else None
     if step_dir is not None and (step_dir / "driver_state.json").is_file():
         check_resume(CheckpointManager.driver_state(step_dir), cfg, step_dir, FRESH_START)
 
@@ -201,9 +180,11 @@ def run_stage(cfg: RunConfig, data: Any, run_cls: type[LMRun]) -> dict[str, floa
     if cfg.trainer.load:
         CheckpointManager.check_trusted(resolve_checkpoint(cfg.trainer.load, run_cls.role), cfg.trainer.trust_checkpoint)
     with RunScaffold(cfg) as frame:
-        check_resumable(cfg, frame.resume_point(), run_cls.role)  # before any worker starts
+        loop = RunLoop(cfg, frame, FRESH_START, nonfinite_guard(cfg))  # checks a resume before any worker starts
+        if loop.resume_from is None:
+            check_loadable(cfg, run_cls.role)
         group = frame.own(make_group(cfg, out, run_cls.role, run_cls.worker_class()))
-        run = run_cls(cfg, data, group, frame)
+        run = run_cls(cfg, data, group, frame, loop)
         run.start()
         last = run.run(frame.metrics_logger(run.step))
         if cfg.trainer.export_hf:

@@ -18,6 +18,7 @@ import torch
 
 from rlhf.config import RunConfig
 from rlhf.data.kto_examples import kl_fields
+from rlhf.driver.infra.run_loop import RunLoop
 from rlhf.driver.stages.lm import LMRun
 from rlhf.driver.stages.lm_data import SampleOrder, _field, tokenizer_path
 from rlhf.errors import UserError
@@ -114,8 +115,8 @@ class PairRun(LMRun):
     data: PairData  # type: ignore[assignment]
     METRICS: tuple[str, ...] = ()
 
-    def __init__(self, cfg: RunConfig, data: PairData, group: Any, frame: Any) -> None:
-        super().__init__(cfg, data, group, frame)
+    def __init__(self, cfg: RunConfig, data: PairData, group: Any, frame: Any, loop: RunLoop) -> None:
+        super().__init__(cfg, data, group, frame, loop)
         self.phase_times: dict[str, float] = {}
 
     def train_pairs(self, batch: Batch) -> dict[str, float]:
@@ -142,7 +143,6 @@ class PairRun(LMRun):
         out = self.train_pairs(batch)
         dt = time.perf_counter() - t0
         skipped = bool(out.get("skipped", 0.0))
-        self.consecutive_nonfinite = self.consecutive_nonfinite + 1 if skipped else 0
         self.skipped_total += int(skipped)
         tokens = sum(int(batch[f"{s}_loss_mask"].sum()) for s in ("chosen", "rejected"))
         times, self.phase_times = self.phase_times, {}

@@ -90,6 +90,11 @@ class RewardScorer:
         self.backend, self.source = backend, source or type(backend).__name__
         self.counts = {"reward/errors": 0.0, "reward/timeouts": 0.0}
 
+    @property
+    def pool(self) -> RewardPool | None:
+        """The reward processes of a `module:function` reward (None for the other sources)."""
+        return self.backend if isinstance(self.backend, RewardPool) else None
+
     @classmethod
     def for_url(cls, rc: RewardConfig) -> RewardScorer:
         """Scores by the verifier at `reward.url` (reward_url.py)."""

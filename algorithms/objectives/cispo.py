@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..aggregation import agg_loss
+from ..masked import masked_mean
 from .common import log_ratio, ratio_metrics
 from .ppo import check_clip
 from .registry import Metrics, ObjectiveInputs, register_objective
@@ -21,9 +22,12 @@ from .registry import Metrics, ObjectiveInputs, register_objective
 
 @register_objective("cispo", check=check_clip)
 def cispo(x: ObjectiveInputs, *, clip_low: float = 0.2, clip_high: float = 0.2) -> tuple[torch.Tensor, Metrics]:
-    """CISPO loss (module doc); ``clipfrac``: tokens whose weight was clipped."""
+    """CISPO loss (module doc); ``clipfrac``: tokens whose weight was clipped; ``is_weight_mean``: the clipped
+    weights' token mean."""
     lr = log_ratio(x.logp, x.old_logp)
     r = torch.exp(lr)
     w = torch.clamp(r, 1.0 - clip_low, 1.0 + clip_high).detach()
     loss = agg_loss(-w * x.advantages * x.logp, x.mask, x.agg_mode, normalizer=x.normalizer, horizon=x.horizon)
-    return loss, ratio_metrics(r, lr, (r < 1.0 - clip_low) | (r > 1.0 + clip_high), x.mask)
+    metrics = ratio_metrics(r, lr, (r < 1.0 - clip_low) | (r > 1.0 + clip_high), x.mask)
+    metrics["is_weight_mean"] = masked_mean(w, x.mask)
+    return loss, metrics

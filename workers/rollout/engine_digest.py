@@ -8,7 +8,8 @@ Each parameter is digested as the engine holds it and named by the HF tensors it
   embedding, it holds `model.embed_tokens.weight`);
 - fused MoE experts (`w13_weight`: gate and up, `w2_weight`: down, repacked per expert for vLLM's grouped GEMM)
   by each expert's moments (digest.moments, which the repacking's order and padding do not change);
-- every other parameter (embedding, norms, biases, a plain linear weight) from its values.
+- every other parameter (embedding, norms, biases, a plain linear weight) from its values: of a 2-D one that
+  holds one HF tensor, the rows the sync samples (digest.sample_rows).
 Not digested (listed as skipped): parameters of tensor-parallel engines' sharded layers, the fused experts'
 other parameters (biases) and those of an expert-parallel engine, and any layer whose digest raised.
 """
@@ -21,13 +22,14 @@ from typing import Any
 
 import torch
 
-from workers.rollout.digest import Held, HeldDigests, digest, moments, probe
+from workers.rollout.digest import Held, HeldDigests, digest, moments, probe, rows_of, sample_rows
 
 log = logging.getLogger(__name__)
 
 
-def held_digests(vworker: Any, rank: int) -> HeldDigests:
-    """Digests of every parameter of the worker's model (see the module docstring)."""
+def held_digests(vworker: Any, rank: int, stride: int = 1, offset: int = 0) -> HeldDigests:
+    """Digests of every parameter of the worker's model (see the module docstring); plain 2-D ones of the rows
+    a sync at `offset` samples with `stride`."""
     t0 = time.perf_counter()
     model = vworker.model_runner.get_model()
     out = HeldDigests(rank=rank)
@@ -38,7 +40,7 @@ def held_digests(vworker: Any, rank: int) -> HeldDigests:
             for p_name, param in mod.named_parameters(recurse=False):
                 name = f"{mod_name}.{p_name}" if mod_name else p_name
                 try:
-                    held = _held(mod, mod_name, p_name, param, packed, seen)
+                    held = _held(mod, mod_name, p_name, param, packed, seen, stride, offset)
                 except Exception as exc:  # noqa: BLE001 - a layer this code does not know: not compared
                     log.debug("weight sync digest: %s not digested (%s: %s)", name, type(exc).__name__, exc)
                     held = None
@@ -54,7 +56,7 @@ def held_digests(vworker: Any, rank: int) -> HeldDigests:
 
 
 def _held(mod: Any, mod_name: str, p_name: str, param: torch.Tensor, packed: dict[str, list[str]],
-          seen: dict[int, str]) -> Held | list[Held] | None:
+          seen: dict[int, str], stride: int = 1, offset: int = 0) -> Held | list[Held] | None:
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
@@ -68,12 +70,21 @@ def _held(mod: Any, mod_name: str, p_name: str, param: torch.Tensor, packed: dic
         hf = [seen.get(id(param), name)]
         return Held(name, hf, _gemm_probe(mod, param.dtype, int(mod.embedding_dim)), True, dtype)
     if isinstance(mod, VocabParallelEmbedding) or not isinstance(mod, LinearBase):
-        return Held(name, [name], digest(param), False, dtype)
+        return _plain(name, [name], param, dtype, stride, offset)
     hf = _hf_names(mod_name, p_name, packed)
     if p_name == "weight" and param.numel() == 0:  # repacked for the engine's GEMM: probe it
         k = getattr(mod, "input_size_per_partition", None) or mod.input_size
         return Held(name, hf, _gemm_probe(mod, param.dtype, int(k)), True, dtype)
-    return Held(name, hf, digest(param), False, dtype)
+    return _plain(name, hf, param, dtype, stride, offset)
+
+
+def _plain(name: str, hf: list[str], param: torch.Tensor, dtype: str, stride: int, offset: int) -> Held:
+    """A parameter digested from its values: the sampled rows when it is 2-D and holds one HF tensor."""
+    if param.dim() < 2 or len(hf) != 1:
+        return Held(name, hf, digest(param), False, dtype)
+    rows = rows_of(param)
+    lo, hi = sample_rows(int(rows.shape[0]), stride, offset)
+    return Held(name, hf, digest(rows[lo:hi]), False, dtype, first=lo, sampled=True)
 
 
 _EXPERT_PARTS = {"w13_weight": ("gate_proj", "up_proj"), "w2_weight": ("down_proj",)}

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from workers.rollout.control import Channel, GroupFactory
+from workers.rollout.digest import DIGEST_STRIDE
 from workers.rollout.sync_errors import WeightSyncError, WeightSyncTimeout
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ class SyncSession:
     zero_copy: bool = False  # shm: engines compute straight from the file (engine_ops.share_weights)
     secret: str = ""  # signs the control messages (wire.py); one per syncer, sent to the run's processes by Ray
     digest: bool = False  # rollout.verify_digest: senders and engines return per-tensor digests (digest.py)
+    digest_stride: int = DIGEST_STRIDE  # the digests sample 1/digest_stride of a 2-D tensor's rows (digest.py)
 
     @property
     def num_stages(self) -> int:
@@ -156,5 +158,5 @@ def receive_on_vllm_worker(vworker: Any, session: SyncSession, engine_rank: int,
     if session.digest:
         from workers.rollout.engine_digest import held_digests
 
-        stats["digests"] = held_digests(vworker, engine_rank)
+        stats["digests"] = held_digests(vworker, engine_rank, session.digest_stride, session.sync_id)
     return stats

@@ -86,7 +86,8 @@ class BucketTransport(Transport):
             try:
                 t = time.perf_counter()
                 if session.digest:  # of the values as sent: cast to the engine's dtype, packed
-                    digests.update((name, Sent.of(view, name)) for name, view in unpack(buf, meta))
+                    digests.update((name, Sent.of(view, name, session.digest_stride, session.sync_id))
+                                   for name, view in unpack(buf, meta))
                     clock["digest_s"] += time.perf_counter() - t
                     t = time.perf_counter()
                 self.send_bucket(out, buf, meta)  # type: ignore[arg-type]

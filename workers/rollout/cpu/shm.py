@@ -136,7 +136,8 @@ class ShmTransport(Transport):
         ch.wait_flags([session.key(0, f"shm/done/r{r}") for r in session.writer_ranks])
         wait_s = time.perf_counter() - t
         i, n = session.writer_ranks.index(rank), len(session.writer_ranks)
-        digests = {name: Sent.of(layout.view(mapping, name), name) for name in layout.names[i::n]}
+        digests = {name: Sent.of(layout.view(mapping, name), name, session.digest_stride, session.sync_id)
+                   for name in layout.names[i::n]}
         return {"digests": digests, "digest_s": time.perf_counter() - t - wait_s, "policy_names": policy_names(worker)}
 
     # ---- engine side ---------------------------------------------------------------------------

@@ -186,7 +186,7 @@ def main() -> None:
             full_s = statistics.median(r["sync/time_s"] for r in full)
             full_digest_s = statistics.median(r["sync/digest_s"] for r in full)
             bare_s = statistics.median(r["sync/time_s"] for r in bare)
-            print(f"[digest] sampled (every {DIGEST_STRIDE}th row): {digest['sync/digest_s']:.3f}s of a "
+            print(f"[digest] sampled (one block of rows in {DIGEST_STRIDE}): {digest['sync/digest_s']:.3f}s of a "
                   f"{sync_s:.3f}s sync; every row: {full_digest_s:.3f}s of a {full_s:.3f}s sync; no digest: a "
                   f"{bare_s:.3f}s sync")
             print(f"RATIO digest_vs_sync {digest['sync/digest_s'] / sync_s:.3f}")

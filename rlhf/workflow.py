@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 from rlhf.config.schema import RewardConfig, RoleConfig, RunConfig
-from rlhf.driver.rl.async_buffer import AsyncRollout
 from rlhf.driver.rl.reward_judge import judge_group
 from rlhf.driver.rl.rewards import RewardScorer
 from workers.agent.options import AgentOptions
@@ -216,20 +215,18 @@ def prompt_batch(records: list[dict[str, Any]]) -> Batch:
 
 class RolloutHandle:
     """The vLLM rollout engines (a RolloutGroup). `version` counts the weight syncs into them, and every
-    sample carries the version that produced it (meta `policy_version`). With `rollout.mode: one_step_off`
-    a step `prefetch`es the next step's prompts before it trains, and the next step `take`s them. With
-    `rollout.mode: async` (`buffer`, rlhf/driver/rl/async_buffer.py) `take` returns the oldest complete groups of a
-    bounded-staleness buffer that the engines keep filling, partial rollouts included."""
+    sample carries the version that produced it (meta `policy_version`). What is generated is the handle's:
+    single turns, multi-turn trajectories with tools or an environment, or (`rollout.openai_agent`) a user's
+    agent sessions on the OpenAI-compatible endpoint. When, and on which weights (`rollout.mode`), is the run's
+    rollout source's (`rlhf.driver.rl.sources`): it starts calls with `start` and is told before every weight
+    sync (`before_sync`), so its work in flight finishes on the weights it started with."""
 
     def __init__(self, group: Any, sampling: Any, sync_config: Any, agent: AgentOptions | None = None,
-                 colocated: bool = False, buffer: AsyncRollout | None = None) -> None:
+                 colocated: bool = False) -> None:
         self.group, self.sampling, self.sync_config, self.agent = group, sampling, sync_config, agent
         self.colocated, self.asleep = colocated, False
         self.version = 0
-        # (prompts and sampling, PendingGenerate, version, score)
-        self._prefetched: tuple[Any, Any, int, Callable[[Batch], Batch] | None] | None = None
-        self.buffer = buffer
-        self._metrics: dict[str, float] = {}
+        self.before_sync: Callable[[], None] = lambda: None  # set by the run's rollout source
         self.agents: Any = None  # rollout.openai_agent: agent sessions instead (rlhf/driver/rl/openai_agents.py)
 
     def generate(self, prompts: list[dict[str, Any]] | Batch, score: Callable[[Batch], Batch] | None = None,
@@ -240,41 +237,18 @@ class RolloutHandle:
         if self.agents is not None:  # rows tagged with the versions their calls ran on
             return self.agents.run(prompts, self.sampling.with_(**sampling) if sampling else self.sampling, score,
                                    self.version)
-        return self._tagged(self._start(prompts, sampling).result(score), self.version)
+        return self.tag(self.start(prompts, sampling).result(score), self.version)
 
-    def prefetch(self, prompts: list[dict[str, Any]], score: Callable[[Batch], Batch] | None = None,
-                 **sampling: Any) -> None:
-        """Start generating for `prompts` now, on the weights the engines hold; `take` gets the samples. With
-        `score` they are scored as each engine returns (at the latest when the next sync waits for them)."""
-        self._prefetched = ((prompts, sampling), self._start(prompts, sampling), self.version, score)
-
-    def take(self, prompts: list[dict[str, Any]], draw: Any = None, score: Callable[[Batch], Batch] | None = None,
-             **sampling: Any) -> Batch:
-        """The samples of `prompts`: those `prefetch`ed for the same prompts and sampling, else generated now;
-        `score` as in `generate`. In async mode: as many complete groups as `prompts` from the buffer, which
-        queues `prompts` and calls `draw()` for more prompts when it runs short (the loader's next batch); the
-        buffer scores groups as they finish with the run's reward."""
-        if self.agents is not None:  # agent sessions: sync only (rlhf/config/validate.py)
-            return self.generate(prompts, score, **sampling)
-        if self.buffer is not None:
-            if draw is None:
-                raise ValueError("rollout.mode=async: take needs draw (a function giving more prompt records)")
-            batch, self._metrics = self.buffer.take(prompts, draw, self.version)
-            return batch
-        ahead, self._prefetched = self._prefetched, None
-        if ahead is not None and ahead[0] == (prompts, sampling):
-            return self._tagged(ahead[1].result(score or ahead[3]), ahead[2])
-        if ahead is not None:
-            ahead[1].result()  # not wanted after all; the engines finish it first anyway
-        return self.generate(prompts, score, **sampling)
-
-    def _start(self, prompts: list[dict[str, Any]] | Batch, sampling: dict[str, Any]) -> Any:
+    def start(self, prompts: list[dict[str, Any]] | Batch, sampling: dict[str, Any]) -> Any:
+        """Start generating for `prompts` on the weights the engines hold now; `.result(score)` of the returned
+        call gives the Batch (untagged: `tag` it with the version it started at)."""
         params = self.sampling.with_(**sampling) if sampling else self.sampling
         return self.group.start_generate(prompts if isinstance(prompts, Batch) else prompt_batch(prompts), params,
                                          agent=self.agent)
 
     @staticmethod
-    def _tagged(batch: Batch, version: int) -> Batch:
+    def tag(batch: Batch, version: int) -> Batch:
+        """Every sample of `batch` carries `version`, the weights that produced it (meta `policy_version`)."""
         batch["policy_version"] = [version] * len(batch)
         return batch
 
@@ -285,29 +259,10 @@ class RolloutHandle:
             self.group.sleep(1)
             self.asleep = True
 
-    def pop_metrics(self) -> dict[str, float]:
-        """The async buffer's `rollout/*` metrics of the last take (empty in the other modes)."""
-        out, self._metrics = self._metrics, {}
-        return out
-
-    def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the engines' side: the version and (async) the buffer."""
-        return {"version": self.version} | ({"buffer": self.buffer.state_dict(self.version)} if self.buffer else {})
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore `state_dict` after the resumed run's first sync (the engines hold the checkpoint's
-        weights, which were version `state["version"]`)."""
-        self.version = int(state.get("version", self.version))
-        if self.buffer is not None and "buffer" in state:
-            self.buffer.load_state_dict(state["buffer"])
-
     def sync_weights(self, policy: PolicyHandle, verify: bool | None = None) -> dict[str, Any]:
-        """Push the policy's weights into the engines (woken first if asleep); a prefetched generation (or
-        the async buffer's round in flight) finishes on the old weights first."""
-        if self._prefetched is not None:
-            self._prefetched[1].result(self._prefetched[3])
-        if self.buffer is not None:
-            self.buffer.collect(self.version)
+        """Push the policy's weights into the engines (woken first if asleep); work in flight (a prefetched
+        generation, the async buffer's round) finishes on the old weights first (`before_sync`)."""
+        self.before_sync()
         if self.asleep:
             self.group.wake_up(None)
             self.asleep = False
@@ -340,9 +295,6 @@ def _rollout_handle(cfg: RunConfig, run_dir: Path, temp: float, pool: Any = None
     handle = RolloutHandle(group, sampling, build(SyncConfig, r, timeout_s=cfg.trainer.timeout_s,
                                                      policy_dtype=cfg.policy.dtype), agent,
                            colocated=pool is not None)
-    if r.mode == "async":
-        handle.buffer = AsyncRollout(group.start_generate, prompt_encoder(cfg.model.tokenizer_path or cfg.model.path),
-                                     sampling, r.partial_tokens, r.max_staleness)
     if r.openai_agent:
         from rlhf.driver.rl.openai_agents import AgentRollout
 
@@ -440,8 +392,6 @@ class Roles:
             if judge is not None:
                 reward.attach_judge(judge.result())
             handles["rollout"] = rollout.result()
-            if handles["rollout"].buffer is not None:  # async: groups are scored in the buffer as they finish
-                handles["rollout"].buffer.score = reward
         except BaseException:
             if reward.service is None and judge is not None:  # the judge's start failed, or is still running
                 _shut_down_after_start(judge)

@@ -47,7 +47,7 @@ LM_STAGES = ("sft", "pretrain", "dpo", "rm")  # algorithm names trained by the L
 PAIR_STAGES = ("dpo", "rm")  # ... on preference pairs (rlhf.driver.stages.pairs)
 DPO_REFERENCES = ("precompute", "group")  # algorithm.dpo.reference
 OVERLONG_PROMPTS = ("drop", "fail")  # data.overlong_prompts (rlhf.data.prompts.PromptLimit.mode)
-ROLLOUT_MODES = ("sync", "one_step_off", "async")  # rollout.mode (rlhf.workflow.RolloutHandle.take / prefetch)
+ROLLOUT_MODES = ("sync", "one_step_off", "async")  # rollout.mode (rlhf.driver.rl.sources)
 
 
 @dataclass(frozen=True)
@@ -538,9 +538,6 @@ def _check_async(cfg: RunConfig) -> None:
     if r.tools or r.env:
         raise ConfigError("rollout.mode=async: multi-turn rollouts (rollout.tools / rollout.env) run whole "
                           "trajectories per call; use rollout.mode=sync or one_step_off")
-    if cfg.policy.moe.routing_replay:
-        raise ConfigError("rollout.mode=async: policy.moe.routing_replay needs each sample's recorded routing, "
-                          "which the buffer does not carry across rounds; use rollout.mode=sync or one_step_off")
     if r.partial_tokens and r.stop:
         raise ConfigError(f"rollout.partial_tokens={r.partial_tokens} with rollout.stop: a stop string split "
                           "across two rounds would be missed; use stop_token_ids or partial_tokens=0")

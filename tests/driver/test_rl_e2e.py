@@ -191,6 +191,23 @@ def test_grpo_moe_example_two_steps(tmp_path):
         assert 0 <= row["mismatch/logprob_abs_diff_max"] < 1e-3 and 0 <= row["mismatch/kl"] < 1e-5, row
 
 
+def test_grpo_async_moe_replays_the_routes_the_buffer_carried(tmp_path):
+    """rollout.mode=async with partial rollouts (2 tokens a round) on tiny-qwen2-moe at EP=2 with routing replay:
+    the buffer keeps each sample's routes across rounds (each token the route of the round that sampled it,
+    tests/rollout/test_partial_routes.py), and the update replays them: no token's routing differs from what
+    the batch carries, on samples that span syncs."""
+    run = tmp_path / "async-moe"
+    r = rlhf("train", "configs/grpo_tiny_moe.yaml", *FAST, "model.preset=tiny-qwen2-moe", "model.warm_start_steps=0",
+             "rollout.mode=async", "rollout.partial_tokens=2", "rollout.max_staleness=1", "trainer.total_steps=2",
+             "trainer.save_every=0", f"trainer.output_dir={run}")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    rows = [row for row in metrics(run) if row["step"] > 0]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["mismatch/routing_disagreement"] == 0.0 and row["mismatch/routing_disagreement_max"] == 0.0, row
+        assert row["rollout/version_lag_max"] <= 1.0, row
+
+
 # Mistral is Llama's layout with its own config keys (conversion and engine tests cover it): its run is `slow`.
 @pytest.mark.parametrize("preset", [pytest.param("tiny-mistral", marks=pytest.mark.slow), "tiny-deepseek-v3"])
 def test_grpo_per_family(tmp_path, preset):

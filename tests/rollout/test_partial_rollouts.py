@@ -73,6 +73,10 @@ def test_partial_rounds_equal_one_call_and_tag_versions(group):
     assert batch["finish_reason"][0] == "stop" and int(batch["response_mask"][0].sum()) <= 3  # finished early
     assert batch["token_versions"][batch["response_mask"].bool()].eq(0).all()
     assert metrics["rollout/partial_fraction"] == 0.0 and metrics["rollout/stale_dropped"] == 0.0
+    lengths = batch["response_mask"].sum(-1).float()
+    assert metrics["rollout/trained_length_mean"] == pytest.approx(float(lengths.mean()))
+    assert metrics["rollout/trained_length_p90"] == pytest.approx(float(torch.quantile(lengths, 0.9)))
+    assert metrics["rollout/sampled_length_mean"] > 0  # every sample finished so far, taken or still waiting
     # prompts 4..11 drawn while groups 0..3 were unfinished, so later rounds carried fresh prompts beside them
     assert drawn == [0, 1]
 
@@ -109,6 +113,8 @@ def test_partial_rounds_equal_one_call_and_tag_versions(group):
     again, _ = copy.take(records(200, 204), draw, version=3)
     copy.collect(3)
     assert metrics["rollout/stale_dropped"] == under_way > 0
+    # each dropped group counted once, in the quarter of max_tokens its longest sample had reached
+    assert sum(metrics[f"rollout/stale_dropped/length_q{q}"] for q in range(1, 5)) == under_way
     assert got["ground_truth"] == again["ground_truth"] == [str(200 + i // 2) for i in range(8)]
     assert torch.equal(got["responses"], again["responses"])
     assert got["token_versions"][got["response_mask"].bool()].eq(3).all()

@@ -6,6 +6,13 @@ it. `continuation_batch` turns unfinished samples into a generate call's prompts
 as `prompt_ids`, one sample each; a fresh sample is its prompt alone), `extend` appends a round's tokens, and
 `assemble` lays finished samples out as the Batch a generate call gives (`RolloutWorker.generate`), plus
 `token_versions` [B, R].
+
+MoE engines that record their routing (`routed_experts`, for routing replay) record it per round over the
+whole sequence they ran: the prompt and the response so far (re-run as the round's prompt) and the new
+tokens. A sample keeps, for each token, the route of the round that generated it, and for the prompt the
+first round's; a position no round recorded yet (a round's last token, which its engine never ran) takes
+the next round's. So the update replays, for every generated token, the experts its engine used when it
+sampled it.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from typing import Any
 import torch
 
 from workers.batch import Batch, pad_sequences
+from workers.roles.routes import ROUTES_KEY
 
 
 @dataclass
@@ -32,6 +40,7 @@ class Sample:
     finish_reason: str | None = None  # None while in progress
     started: int = 0  # the policy version of its first token
     score: float | None = None  # its reward, scored in the buffer as soon as its whole group finished
+    routes: torch.Tensor | None = None  # [prompt + tokens, layers, k] MoE routes (engines that record them)
 
     @property
     def done(self) -> bool:
@@ -43,11 +52,13 @@ class Sample:
         return min(self.versions, default=self.started)
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        """JSON-ready (a checkpoint's driver state): routes as nested lists."""
+        return dict(self.__dict__) | {"routes": None if self.routes is None else self.routes.tolist()}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Sample:
-        return cls(**d)
+        routes = d.get("routes")
+        return cls(**{**d, "routes": None if routes is None else torch.tensor(routes, dtype=torch.int16)})
 
 
 def extend(sample: Sample, batch: Batch, i: int, version: int, max_tokens: int) -> None:
@@ -55,6 +66,8 @@ def extend(sample: Sample, batch: Batch, i: int, version: int, max_tokens: int) 
     when the response reaches `max_tokens`."""
     mask = batch["response_mask"][i].bool()
     tokens, logprobs = batch["responses"][i][mask].tolist(), batch["rollout_logprobs"][i][mask].tolist()
+    if ROUTES_KEY in batch:
+        _extend_routes(sample, batch[ROUTES_KEY][i][batch["attention_mask"][i].bool()])
     sample.tokens += tokens
     sample.logprobs += logprobs
     sample.versions += [version] * len(tokens)
@@ -62,6 +75,17 @@ def extend(sample: Sample, batch: Batch, i: int, version: int, max_tokens: int) 
     reason = batch["finish_reason"][i]
     if reason != "length" or len(sample.tokens) >= max_tokens:
         sample.finish_reason = reason
+
+
+def _extend_routes(sample: Sample, ran: torch.Tensor) -> None:
+    """Add a round's routes `ran` [the round's prompt + new tokens, layers, k] (before its tokens are added):
+    the new tokens' routes are appended, and positions recorded -1 so far take this round's (module doc)."""
+    known = len(sample.prompt_ids) + len(sample.tokens)
+    if sample.routes is None:
+        sample.routes = ran.clone()
+        return
+    old = torch.where(sample.routes < 0, ran[:known], sample.routes)
+    sample.routes = torch.cat([old, ran[known:]])
 
 
 def continuation_batch(samples: list[Sample]) -> Batch:
@@ -87,6 +111,22 @@ def assemble(samples: list[Sample]) -> Batch:
     batch = Batch(tensors={"input_ids": torch.cat([prompts, responses], 1), "attention_mask": torch.cat([p_mask, r_mask], 1),
                            "responses": responses, "response_mask": r_mask, "rollout_logprobs": logprobs,
                            "token_versions": versions}, meta=meta)
+    if samples and all(s.routes is not None for s in samples):
+        batch[ROUTES_KEY] = _laid_out_routes(samples, prompts.shape[1], responses.shape[1])
     if samples and all(s.score is not None for s in samples):
         batch["scores"] = torch.tensor([s.score for s in samples], dtype=torch.float32)
     return batch
+
+
+def _laid_out_routes(samples: list[Sample], p: int, r: int) -> torch.Tensor:
+    """The samples' routes in the `input_ids` columns [B, P + R, layers, k] (prompts left-padded to P,
+    responses right-padded to R), -1 on padding, as `RolloutWorker.generate` gives them."""
+    first = samples[0].routes
+    assert first is not None
+    out = torch.full((len(samples), p + r, *first.shape[1:]), -1, dtype=first.dtype)
+    for row, s in enumerate(samples):
+        assert s.routes is not None
+        n = len(s.prompt_ids)
+        out[row, p - n: p] = s.routes[:n]
+        out[row, p: p + len(s.routes) - n] = s.routes[n:]
+    return out

@@ -26,6 +26,8 @@ import torch
 from workers.batch import Batch
 from workers.rollout.partial import Sample, assemble, continuation_batch, extend
 
+LENGTH_BUCKETS = 4  # stale drops are counted per quarter of rollout.max_tokens (`rollout/stale_dropped/length_q*`)
+
 
 class AsyncRollout:
     """The buffer of one run (`RolloutHandle` holds it in async mode). `start(batch, params)` starts a
@@ -50,6 +52,8 @@ class AsyncRollout:
         self.next_group = 0
         self.in_flight: list[tuple[Any, list[Sample], int]] = []  # (pending call, its samples, their version)
         self.counts = {"received": 0, "taken": 0, "stale_dropped": 0, "rounds": 0}  # prompts / groups, rounds
+        self._sampled: list[int] = []  # lengths of the samples finished since the last take (kept or not)
+        self._dropped_by_length = [0] * LENGTH_BUCKETS  # stale groups dropped since the last take, by length
         self._seed = 0
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -86,7 +90,8 @@ class AsyncRollout:
         spans = [len(set(s.versions)) for s in taken]
         metrics = {"rollout/stale_dropped": float(dropped), "rollout/buffer_samples": float(len(self.samples)),
                    "rollout/partial_fraction": sum(1 for k in spans if k > 1) / max(len(spans), 1),
-                   "rollout/scored_in_buffer": float("scores" in batch)}
+                   "rollout/scored_in_buffer": float("scores" in batch),
+                   **self._length_metrics([len(s.tokens) for s in taken])}
         self._stop.clear()
         self._thread = threading.Thread(target=self._pump, args=(version, torch.get_num_threads()),
                                         name="rollout-buffer", daemon=True)
@@ -125,12 +130,29 @@ class AsyncRollout:
         except BaseException as e:  # noqa: BLE001 - raised in the driver's thread by collect()
             self._error = e
 
+    def _length_metrics(self, trained: list[int]) -> dict[str, float]:
+        """The response lengths the engines finished since the last take (`sampled_length_*`) against those
+        this take trains on (`trained_length_*`), mean and p90, and the stale groups dropped per quarter of
+        rollout.max_tokens (their longest sample so far): dropping by staleness favours short answers, and
+        these show by how much."""
+        out: dict[str, float] = {}
+        for name, lengths in (("sampled", self._sampled), ("trained", trained)):
+            t = torch.tensor(lengths or [0], dtype=torch.float32)
+            out[f"rollout/{name}_length_mean"] = float(t.mean())
+            out[f"rollout/{name}_length_p90"] = float(torch.quantile(t, 0.9))
+        for q, count in enumerate(self._dropped_by_length):
+            out[f"rollout/stale_dropped/length_q{q + 1}"] = float(count)
+        self._sampled, self._dropped_by_length = [], [0] * LENGTH_BUCKETS
+        return out
+
     def _finish_rounds(self) -> None:
         """Wait for the generate calls in flight and add their tokens to their samples."""
         for pending, going, at in self.in_flight:
             out = pending.result()
             for i, s in enumerate(going):
                 extend(s, out, i, at, self.sampling.max_tokens)
+                if s.done:
+                    self._sampled.append(len(s.tokens))
             self.counts["rounds"] += 1
         self.in_flight = []
         self._score_finished()
@@ -150,6 +172,12 @@ class AsyncRollout:
     def _drop_stale(self, version: int) -> int:
         """Drop the groups whose oldest token is more than max_staleness versions behind `version`."""
         stale = {s.group for s in self.samples if version - s.oldest > self.max_staleness}
+        longest: dict[int, int] = {}
+        for s in self.samples:
+            if s.group in stale:
+                longest[s.group] = max(longest.get(s.group, 0), len(s.tokens))
+        for n in longest.values():
+            self._dropped_by_length[min(LENGTH_BUCKETS - 1, LENGTH_BUCKETS * n // max(self.sampling.max_tokens, 1))] += 1
         self.samples = [s for s in self.samples if s.group not in stale]
         self.counts["stale_dropped"] += len(stale)
         return len(stale)

@@ -22,9 +22,9 @@ class StepContext:
     next_prompts: Callable[..., list[dict[str, Any]]]  # next_prompts(k): k more prompts (default: a step's)
     timer: PhaseTimer = field(default_factory=PhaseTimer)
     metrics: dict[str, float] = field(default_factory=dict)
-    # rollout.mode=one_step_off: the next step's prompts, drawn ahead so their generation can start during
-    # this step (None in sync mode and at the last step)
-    upcoming: list[dict[str, Any]] | None = None
+    # the run's rollout schedule (`rlhf.driver.rl.sources`): `source.generate(ctx, score)` gives this step's
+    # samples, whatever the mode (sync, one_step_off, async); None outside a run (then generate directly)
+    source: Any = None
     _rounds: int = 0
 
     def phase(self, name: str):

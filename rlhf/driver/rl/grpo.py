@@ -33,11 +33,13 @@ def generate_and_score(roles: Roles, ctx: StepContext) -> Batch:
     cfg = ctx.cfg
     score = ctx.timed("reward", roles.reward)  # time/reward: within time/generate when streamed
     with ctx.phase("generate"):
-        # each engine's samples are scored as they return (async: the buffer scores groups as they finish)
-        batch = roles.rollout.take(ctx.prompts, draw=ctx.next_prompts, score=score, seed=ctx.sample_seed())
-        if ctx.upcoming is not None:  # one step off: the next step's samples, on the weights before this update
-            roles.rollout.prefetch(ctx.upcoming, score=score, seed=ctx.next_step_seed())
-    ctx.metrics.update(roles.rollout.pop_metrics())  # async: the buffer's stale drops and partial samples
+        # the run's schedule (sync, one_step_off, async) gives the samples; each engine's are scored as they
+        # return (async: the buffer scores groups as they finish)
+        if ctx.source is not None:
+            batch = ctx.source.generate(ctx, score)
+            ctx.metrics.update(ctx.source.pop_metrics())  # async: the buffer's stale drops and partial samples
+        else:
+            batch = roles.rollout.generate(ctx.prompts, score=score, seed=ctx.sample_seed())
     lag = [roles.rollout.version - v for v in batch["policy_version"]]
     ctx.metrics["rollout/version_lag_mean"] = sum(lag) / max(len(lag), 1)
     ctx.metrics["rollout/version_lag_max"] = float(max(lag, default=0))

@@ -19,6 +19,7 @@ from rlhf.driver.infra.run_checkpoints import export_hf
 from rlhf.driver.infra.run_loop import NonFiniteGuard, RunLoop
 from rlhf.driver.infra.scaffold import RunScaffold
 from rlhf.driver.rl.context import StepContext, accuracy
+from rlhf.driver.rl.sources import rollout_source
 from rlhf.workflow import Roles
 
 StepFn = Callable[[Roles, StepContext], dict[str, float]]
@@ -148,9 +149,10 @@ def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
             kl_ctrl.load_state_dict(state["kl_ctrl"])
             loop.restore()
         start = loop.step
+        source = rollout_source(cfg, roles, loader)  # the schedule: sync, one_step_off or async
         roles.rollout.sync_weights(roles.policy)  # the first sync: the log-prob canary unless verify_every=0
         if state is not None:  # the version count and (async) the buffer's samples
-            roles.rollout.load_state_dict(state.get("rollout", {}))
+            source.load_state_dict(state.get("rollout", {}))
         logger = run.metrics_logger(start)
 
         def write_roles(tmp: Path) -> None:
@@ -158,27 +160,14 @@ def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
             if roles.critic is not None:
                 roles.critic.save(tmp / "critic")
 
-        # one_step_off draws the next step's prompts a step early; a checkpoint keeps the loader as it was
-        # before that draw, so a resumed run draws them again (their in-flight samples are not saved)
-        ahead = cfg.rollout.mode == "one_step_off"
-        drawn: dict[str, Any] = {"prompts": None, "upcoming": None, "loader_state": None}
-
         def save(step: int) -> None:
-            loop.save(step, {"loader": drawn["loader_state"] or loader.state_dict(), "kl_ctrl": kl_ctrl.state_dict(),
-                             "rollout": roles.rollout.state_dict()}, write_roles)
+            loop.save(step, {"loader": source.loader_state(), "kl_ctrl": kl_ctrl.state_dict(),
+                             "rollout": source.state_dict()}, write_roles)
 
         def train_step(step: int) -> dict[str, float]:
             t0 = time.perf_counter()
-            if ahead:
-                if drawn["prompts"] is None:  # the first step's prompts, drawn after the step-0 validation
-                    drawn["prompts"] = loader.next_batch()
-                drawn["loader_state"] = loader.state_dict()
-                drawn["prompts"] = drawn["upcoming"] or drawn["prompts"]
-                drawn["upcoming"] = loader.next_batch() if step < t.total_steps else None
-            else:
-                drawn["prompts"] = loader.next_batch()
-            ctx = StepContext(cfg, step, drawn["prompts"], kl_ctrl, loader.next_batch, PhaseTimer(),
-                              upcoming=drawn["upcoming"])
+            ctx = StepContext(cfg, step, source.prompts(step), kl_ctrl, loader.next_batch, PhaseTimer(),
+                              source=source)
             metrics = step_fn(roles, ctx)
             metrics.update(ctx.metrics)
             metrics.update(ctx.timer.pop())

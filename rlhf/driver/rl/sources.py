@@ -39,9 +39,6 @@ class RolloutSource:
         self._metrics: dict[str, float] = {}
         rollout.before_sync = self.before_sync
 
-    def start(self, step: int) -> None:
-        """Called once before the first step of this process (`step` is the last step done)."""
-
     def prompts(self, step: int) -> list[dict[str, Any]]:
         """The prompt records step `step` trains on."""
         return self.loader.next_batch()
@@ -84,13 +81,11 @@ class OneStepOffSource(RolloutSource):
         self._pending: tuple[list[dict[str, Any]], Any, int, Score | None] | None = None  # prefetched
         self._loader_state: dict[str, int] | None = None
 
-    def start(self, step: int) -> None:
-        self._next = self.loader.next_batch() if step < self.total_steps else None
-
     def prompts(self, step: int) -> list[dict[str, Any]]:
+        if self._loader_state is None:  # the first step of this process draws its own prompts
+            self._next = self.loader.next_batch()
         self._loader_state = self.loader.state_dict()
-        prompts = self._next if self._next is not None else self.loader.next_batch()
-        self._next = self.loader.next_batch() if step < self.total_steps else None
+        prompts, self._next = self._next or [], self.loader.next_batch() if step < self.total_steps else None
         return prompts
 
     def generate(self, ctx: StepContext, score: Score | None = None) -> Batch:

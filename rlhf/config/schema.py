@@ -92,6 +92,11 @@ class RolloutConfig(SamplingConfig, EngineOptions, SyncOptions, AgentOptions):
     mode: str = "sync"
     # async: a group whose oldest token is more than this many weight syncs old is dropped (counted)
     max_staleness: int = 1
+    # async: how staleness is bounded. drop_stale: groups more than max_staleness syncs old are dropped, and
+    # the long answers are the ones that go stale (rollout/stale_dropped/length_q* counts them by length);
+    # cap: a group starts only while fewer than (version + max_staleness) x prompts_per_step have started, so
+    # its lag is bounded when it starts and none is dropped: the trained lengths follow the sampled ones
+    admission: str = "drop_stale"
     # async: partial rollouts, at most this many new tokens per sample in a round; an unfinished sample
     # continues in the next round on the new weights (0: a round generates whole responses)
     partial_tokens: int = 0

@@ -526,6 +526,7 @@ def _check_async(cfg: RunConfig) -> None:
              "step's training is one sync old when the next step takes it)", r.max_staleness)
     _require(r.partial_tokens >= 0, "rollout.partial_tokens", "an integer >= 0 (0: whole responses)",
              r.partial_tokens)
+    _choice(r.admission, "rollout.admission", ("drop_stale", "cap"))
     if r.partial_tokens and r.mode != "async":
         raise ConfigError(f"rollout.partial_tokens={r.partial_tokens}: partial rollouts continue across weight "
                           f"syncs, which only rollout.mode=async does (got {r.mode})")

@@ -42,9 +42,11 @@ class AsyncRollout:
     def __init__(self, start: Callable[[Batch, Any], Any],
                  encode: Callable[[list[dict[str, Any]]], tuple[list[list[int]], list[str]]], sampling: Any,
                  partial_tokens: int, max_staleness: int, max_rounds: int = 64,
-                 background_rounds: int | None = None, score: Callable[[Batch], Batch] | None = None) -> None:
+                 background_rounds: int | None = None, score: Callable[[Batch], Batch] | None = None,
+                 admission: str = "drop_stale") -> None:
         self.start, self.encode, self.sampling, self.background_rounds = start, encode, sampling, background_rounds
-        self.score = score
+        self.score, self.admission = score, admission
+        self._want = 0  # groups a take asks for (the cap of `admission: cap` is in takes)
         self.chunk = partial_tokens or sampling.max_tokens
         self.max_staleness, self.max_rounds = max_staleness, max_rounds
         self.samples: list[Sample] = []  # in progress and finished, not yet taken
@@ -66,7 +68,7 @@ class AsyncRollout:
         here until enough are complete, drawing more prompts with `draw` while the buffer is short of them
         (`_short_of`). Then the next round starts in the background. Returns the Batch and `rollout/*` buffer
         metrics."""
-        want = len(prompts)
+        want = self._want = len(prompts)
         self._queue(prompts)
         dropped = self.collect(version)
         for _ in range(self.max_rounds):
@@ -170,7 +172,10 @@ class AsyncRollout:
             self.counts["scored"] = self.counts.get("scored", 0) + len({x.group for x in todo})
 
     def _drop_stale(self, version: int) -> int:
-        """Drop the groups whose oldest token is more than max_staleness versions behind `version`."""
+        """Drop the groups whose oldest token is more than max_staleness versions behind `version` (with
+        `admission: drop_stale`; `cap` bounds staleness when groups start and drops none)."""
+        if self.admission == "cap":
+            return 0
         stale = {s.group for s in self.samples if version - s.oldest > self.max_staleness}
         longest: dict[int, int] = {}
         for s in self.samples:
@@ -190,20 +195,27 @@ class AsyncRollout:
     def _start_round(self, version: int) -> None:
         """Start one generate call on the engines' current weights (`version`): the queued fresh prompts become
         n samples each (a group), and every unfinished sample gets up to one chunk more."""
-        if self.fresh:
-            ids, texts = self.encode(self.fresh)
-            for record, prompt_ids, text in zip(self.fresh, ids, texts):
+        admitted = self.fresh if self.admission != "cap" else self.fresh[:max(0, self._room(version))]
+        if admitted:
+            self.fresh = self.fresh[len(admitted):]
+            ids, texts = self.encode(admitted)
+            for record, prompt_ids, text in zip(admitted, ids, texts):
                 meta = {k: v for k, v in record.items() if k != "prompt"} | {"prompt": text}
                 self.samples += [Sample(self.next_group, list(prompt_ids), meta, started=version)
                                  for _ in range(self.sampling.n)]
                 self.next_group += 1
-            self.fresh = []
         going = [s for s in self.samples if not s.done]
         if going:
             self._seed += 1
             chunk = self.sampling.with_(n=1, max_tokens=min(self.chunk, self.sampling.max_tokens),
                                         seed=self._round_seed())
             self.in_flight.append((self.start(continuation_batch(going), chunk), going, version))
+
+    def _room(self, version: int) -> int:
+        """`admission: cap`: how many more groups may start at `version`. Groups are taken oldest first, `want`
+        a step, so group g trains at about version g // want + 1; starting only groups below
+        (version + max_staleness) x want bounds every group's lag at its start, without dropping any."""
+        return (version + self.max_staleness) * self._want - self.next_group
 
     def _round_seed(self) -> int | None:
         """Round r samples with seed `rollout.seed + 7919 r` (rows add their index): reproducible on resume."""

@@ -147,6 +147,7 @@ def rollout_source(cfg: RunConfig, roles: Roles, loader: PromptLoader) -> Rollou
 
         r = cfg.rollout
         buffer = AsyncRollout(rollout.group.start_generate, prompt_encoder(cfg.model.tokenizer_path or cfg.model.path),
-                              rollout.sampling, r.partial_tokens, r.max_staleness, score=roles.reward)
+                              rollout.sampling, r.partial_tokens, r.max_staleness, score=roles.reward,
+                              admission=r.admission)
         return AsyncSource(rollout, loader, total, buffer)
     return RolloutSource(rollout, loader, total)

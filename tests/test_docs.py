@@ -137,3 +137,19 @@ def test_readme_is_a_front_page_whose_links_resolve():
     rows = [line for line in results.splitlines() if line.startswith("| ") and not line.startswith("| what")]
     unlinked = [row for row in rows if "bench/RESULTS.md" not in row]
     assert rows and not unlinked, f"README results rows without a link to their measurement: {unlinked}"
+
+
+def test_code_map_names_every_driver_module():
+    """docs/concepts/architecture.md follows the tree: each module of rlhf/driver's subpackages is named in the
+    row of its subpackage, and every path the map names exists."""
+    page = (DOCS / "concepts" / "architecture.md").read_text()
+    rows = {line.split("|")[1].strip(" `"): line for line in page.splitlines() if line.startswith("| `rlhf/driver/")}
+    missing = []
+    for module in sorted((ROOT / "rlhf" / "driver").glob("*/*.py")):
+        row = rows.get(f"rlhf/driver/{module.parent.name}/", "")
+        if module.name != "__init__.py" and f"`{module.name}`" not in row:
+            missing.append(str(module.relative_to(ROOT)))
+    assert not missing, f"docs/concepts/architecture.md does not name these modules in their folder's row: {missing}"
+    named = re.findall(r"`((?:rlhf|workers|algorithms|examples|tests|bench|deploy|configs)/[^`]*)`", page)
+    gone = [path for path in named if not (ROOT / path).exists()]
+    assert not gone, f"docs/concepts/architecture.md names paths that do not exist: {gone}"

@@ -104,8 +104,8 @@ def test_reward_module_is_checked_in_a_bounded_process_not_imported_by_the_drive
     import sys
     import time
 
-    from rlhf.driver.rl.rewards import check_reward_fn
     from rlhf.driver.rl import reward_pool
+    from rlhf.driver.rl.rewards import check_reward_fn
     from rlhf.errors import UserError
 
     (tmp_path / "hang_mod.py").write_text("import time\ntime.sleep(3600)\ndef f(p, r, g):\n    return 1.0\n")

@@ -7,13 +7,14 @@ documentation (a class with its public methods and properties).
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import re
 import sys
 import typing
 from pathlib import Path
 from typing import Any
+
+from rlhf.generated_page import page_main
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "reference" / "api.md"
 
@@ -116,21 +117,8 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Write the page, or with --check say whether the checked-in page matches the code."""
-    ap = argparse.ArgumentParser(prog="python -m rlhf.api_reference", description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=PAGE)
-    ap.add_argument("--check", action="store_true", help="exit 1 when --out differs from the code")
-    args = ap.parse_args(argv)
-    text = render()
-    if args.check:
-        if not args.out.is_file() or args.out.read_text() != text:
-            print(f"{args.out} is out of date with rlhf/api.py: run `python -m rlhf.api_reference`")
-            return 1
-        return 0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(f"wrote {args.out}")
-    return 0
+    """Write the page, or with --check say whether the checked-in page matches rlhf/api.py."""
+    return page_main(render, PAGE, "rlhf.api_reference", "rlhf/api.py", argv)
 
 
 if __name__ == "__main__":

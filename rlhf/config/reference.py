@@ -12,7 +12,6 @@ page says what a run accepts, not what someone wrote down.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import dataclasses
 import inspect
@@ -28,6 +27,7 @@ from typing import Any
 
 from rlhf.config import validate
 from rlhf.config.schema import RunConfig
+from rlhf.generated_page import page_main
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "reference" / "config.md"
 ROLES = ("policy", "reference", "critic", "reward_model")
@@ -290,21 +290,8 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Write the page, or with --check say whether the checked-in page matches the schema."""
-    ap = argparse.ArgumentParser(prog="python -m rlhf.config.reference", description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=PAGE)
-    ap.add_argument("--check", action="store_true", help="exit 1 when --out differs from the schema")
-    args = ap.parse_args(argv)
-    text = render()
-    if args.check:
-        if not args.out.is_file() or args.out.read_text() != text:
-            print(f"{args.out} is out of date with rlhf/config/schema.py: run `python -m rlhf.config.reference`")
-            return 1
-        return 0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(f"wrote {args.out}")
-    return 0
+    """Write the page, or with --check say whether the checked-in page matches rlhf/config/schema.py."""
+    return page_main(render, PAGE, "rlhf.config.reference", "rlhf/config/schema.py", argv)
 
 
 if __name__ == "__main__":

@@ -65,9 +65,6 @@ class _Rollout:
         b.meta["policy_version"] = [0] * len(b)
         return b
 
-    def take(self, prompts: list[dict], draw=None, score=None, seed=None) -> Batch:
-        return score(self._batch(prompts)) if score else self._batch(prompts)
-
     def generate(self, prompts: list[dict], score=None, seed=None) -> Batch:
         self.calls.append(len(prompts))
         return score(self._batch(prompts)) if score else self._batch(prompts)
@@ -98,7 +95,8 @@ def test_refill_rounds_draw_the_missing_groups_times_the_oversample_factor():
     prompts = [{"score": 1.0}] * 6 + [{"score": None}] * 2  # 2 of 8 groups informative: 6 missing
     ctx = StepContext(cfg, 1, prompts, None, next_prompts, PhaseTimer())
     out = generate_and_score(roles, ctx)
-    # round 1: 6 missing -> ceil(6 x 1.5) = 9 prompts, 5 informative -> 7 groups; round 2: 1 missing -> 2
-    assert drawn == [9, 2] and rollout.calls == [9, 2], (drawn, rollout.calls)
+    # the step's 8 prompts (no rollout source: generated directly); round 1: 6 missing -> ceil(6 x 1.5) = 9
+    # prompts, 5 informative -> 7 groups; round 2: 1 missing -> 2
+    assert drawn == [9, 2] and rollout.calls == [8, 9, 2], (drawn, rollout.calls)
     assert len(out) == 8 * 4 and ctx.metrics["dynamic_sampling/kept_fraction"] == 1.0
     assert ctx.metrics["dynamic_sampling/rounds"] == 2 and ctx.metrics["dynamic_sampling/extra_prompts"] == 11

@@ -30,13 +30,21 @@ from workers.dispatch import (
     get_spec,
     split_dp_args,
 )
-from workers.group.errors import WorkerDiedError, WorkerGroupError, WorkerTimeoutError, refuse_taken_names
-from workers.group.nodes import register
+from workers.group.errors import (
+    NodeLostError,
+    WorkerDiedError,
+    WorkerGroupError,
+    WorkerTimeoutError,
+    describe_rank,
+    first_lines,
+    oom_note,
+    refuse_taken_names,
+)
+from workers.group.nodes import node_lost, register, unregister
 from workers.group.pool import ResourcePool
-from workers.group.ranked import RankedActors
 from workers.group.wait import Failure, is_death, settle, wait_all
-from workers.group.worker import WorkerContext, cp_rank_of, layout_of
-from workers.net import LOOPBACK
+from workers.group.worker import WorkerContext, cp_rank_of, layout_of, tail_file
+from workers.net import LOOPBACK, is_multi_node
 
 log = logging.getLogger("workers")
 _GRACE_S = 2.0  # after one rank fails, how long the others get to finish before the group is marked broken
@@ -93,7 +101,7 @@ class _Method:
         return f"<{self._group.name}.{self._name} ({self._spec.mode})>"
 
 
-class WorkerGroup(RankedActors):
+class WorkerGroup:
     """`tp * cp * pp * dp` actors of `worker_cls` (a `workers.group.worker.Worker` subclass) in one world.
 
     Resources: each rank takes `num_cpus_per_worker` CPUs (fractions allowed) and `num_gpus_per_worker`
@@ -140,18 +148,22 @@ class WorkerGroup(RankedActors):
         self.world_size = tp * cp * pp * dp
         self.timeout_s = timeout_s
         self.log_dir = Path(log_dir).resolve()
+        self._cpus, self._gpus = float(num_cpus_per_worker), float(num_gpus_per_worker)
         self._broken: str | None = None
         self._actors: list = []
-        self._use_pool(resource_pool, num_cpus_per_worker, num_gpus_per_worker)
-        if resource_pool is None:  # a tensor x context-parallel group shares one bundle, so it stays on one node
-            self._make_pool(self.world_size // (tp * cp), placement, timeout_s, ranks_per_bundle=tp * cp)
-        self._placements: list[dict[str, Any]] = []
+        self._own_pool = resource_pool is None
+        per = tp * cp  # a tensor x context-parallel group shares one bundle, so it stays on one node
+        self.pool = resource_pool or ResourcePool(self.name, self.world_size // per, self._cpus * per,
+                                                  self._gpus * per, placement=placement,
+                                                  timeout_s=min(timeout_s, 60.0), ranks_per_bundle=per)
+        self._reserved: list[int] = []
         try:
             for rank in range(self.world_size):
-                self._placements.append(self._reserve(rank, who=f"{self.name} rank {rank}"))
-            self.names = self._at_nodes([rank_name(self.name, *layout_of(r, tp, pp, dp, cp),
-                                                   cp_rank_of(r, tp, cp) if cp > 1 else None)
-                                         for r in range(self.world_size)])
+                self.pool.reserve(rank, self._cpus, self._gpus, who=f"{self.name} rank {rank}")
+                self._reserved.append(rank)
+            self.names = [rank_name(self.name, *layout_of(r, tp, pp, dp, cp), cp_rank_of(r, tp, cp) if cp > 1 else None,
+                                    node=self.pool.node_of(r) if is_multi_node() else None)
+                          for r in range(self.world_size)]
             self.infos: list[dict[str, Any]] = [{"name": n, "rank": r} for r, n in enumerate(self.names)]
             self._spawn(init_kwargs or {}, collective_timeout_s or timeout_s, seed, num_threads, env_vars, backend,
                         niceness)
@@ -177,7 +189,7 @@ class WorkerGroup(RankedActors):
                 num_cpus=self._cpus,
                 num_gpus=self._gpus,
                 max_restarts=0,
-                **self._placements[rank],
+                scheduling_strategy=self.pool.scheduling(rank),
             )
             if env_vars:
                 options["runtime_env"] = {"env_vars": dict(env_vars)}
@@ -265,18 +277,37 @@ class WorkerGroup(RankedActors):
             # The others may finish (a symmetric failure) or be stuck in a collective with a dead peer.
             more, pending = settle(refs, pending, _GRACE_S)
             failures = failures + more
-        err, rank, died = self._failure_error(what, [(ranks[i], e) for i, e in failures], WorkerDiedError,
-                                              WorkerGroupError)
+        by_rank = sorted(((ranks[i], e) for i, e in failures), key=lambda f: not is_death(f[1]))
+        rank, exc = by_rank[0]
+        died = is_death(exc)
+        head = f"{what} failed on {self._describe(rank)}"
+        if died:
+            msg = f"{head}: the actor died ({type(exc).__name__}: {first_lines(str(exc), 6)}){oom_note()}"
+        else:
+            msg = f"{head}: {type(exc).__name__}: {first_lines(str(exc), 60)}"
+        others = sorted({r for r, _ in by_rank[1:]} - {rank})
+        if others:
+            msg += f"\n(also failed on ranks {others})"
         if died or pending:
-            head = f"{what} failed on {self._describe(rank)}"
             self._broken = f"{head} ({'actor died' if died else 'other ranks still blocked'})"
+        msg += self._tails([rank])
+        lost = node_lost(self.infos[rank].get("node_id")) if died and rank < len(self.infos) else None
+        if lost:
+            msg = f"{what} failed: {lost}\n(first failure: {msg})"
+        err = (NodeLostError if lost else WorkerDiedError if died else WorkerGroupError)(msg)
+        err.__cause__ = exc
         return err
 
-    def ranks_role(self) -> str:
-        return self.role
+    def _describe(self, rank: int) -> str:
+        return describe_rank(self.role, rank, self.names[rank], self.infos[rank] if rank < len(self.infos) else {})
 
-    def rank_log(self, rank: int) -> str:
-        return str(self.log_path(rank))
+    def _tails(self, ranks: list[int], lines: int = 20) -> str:
+        out = []
+        for rank in ranks[:4]:
+            path = self.log_path(rank)
+            text = tail_file(path, lines)
+            out.append(f"\n--- last log lines of {self.names[rank]} ({path}) ---\n{text or '(log file empty or on another node)'}")
+        return "".join(out)
 
     def log_path(self, rank: int) -> Path:
         return self.log_dir / self.name / (self.names[rank].split("/", 1)[1] + ".log")
@@ -294,8 +325,13 @@ class WorkerGroup(RankedActors):
             except Exception:  # noqa: BLE001 - already dead
                 pass
         self._actors = []
+        unregister(self)
         self._broken = self._broken or "the group was shut down"
-        self._release()
+        for rank in self._reserved:
+            self.pool.release(rank, self._cpus, self._gpus)
+        self._reserved = []
+        if self._own_pool:
+            self.pool.shutdown()
 
     def __enter__(self) -> WorkerGroup:
         return self

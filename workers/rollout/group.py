@@ -1,8 +1,7 @@
 """`RolloutGroup`: the driver's handle on one or more rollout engines (Ray actors, or one in-process).
 
-Engine calls are waited on like a worker group's (`workers.group.wait`). What it shares with `WorkerGroup`
-(`workers.group.ranked.RankedActors`): each engine's reservation in a placement group, its `@node` name on
-several nodes, and failures as `WorkerGroupError`s naming role 'rollout', the engine's rank, node and pid.
+Engine calls are waited on like a worker group's (`workers.group.wait`), and their failures are
+`WorkerGroupError`s naming role 'rollout', the engine's rank, node and pid, like any other role's.
 """
 
 from __future__ import annotations
@@ -14,10 +13,20 @@ from typing import TYPE_CHECKING, Any
 
 from workers.agent.options import AgentOptions
 from workers.batch import Batch
-from workers.group.errors import WorkerDiedError, WorkerGroupError, WorkerTimeoutError, refuse_taken_names
-from workers.group.nodes import register
-from workers.group.ranked import RankedActors
-from workers.group.wait import Failure, wait_all
+from workers.group.errors import (
+    NodeLostError,
+    WorkerDiedError,
+    WorkerGroupError,
+    WorkerTimeoutError,
+    describe_rank,
+    first_lines,
+    oom_note,
+    refuse_taken_names,
+)
+from workers.group.nodes import node_lost, register, unregister
+from workers.group.wait import Failure, is_death, wait_all
+from workers.group.worker import tail_file
+from workers.net import is_multi_node
 from workers.rollout.config import EngineConfig
 from workers.rollout.prompts import as_batch, concat_rollouts
 from workers.rollout.sampling import SamplingConfig, as_sampling
@@ -72,7 +81,7 @@ def split_by_load(costs: list[float], loads: list[float]) -> list[int]:
     return bounds
 
 
-class RolloutGroup(RankedActors):
+class RolloutGroup:
     """`num_engines` RolloutWorkers. Prompts are split across engines contiguously by load: each engine's
     share fills it up to an equal level of tokens in flight (`split_by_load`; a prompt's n samples stay on one
     engine, where its prefix is cached), and results are concatenated in order, so the output is the same
@@ -101,20 +110,25 @@ class RolloutGroup(RankedActors):
         self.log_paths: list[str | None] = [None] * num_engines
         self._endpoint: tuple[str, int] | None = None
         self._syncers: dict[int, Any] = {}
-        self._use_pool(resource_pool, self.cfg.num_cpus, self.cfg.num_gpus)
+        self.pool, self._reserved, self._own_pool = resource_pool, 0, False
         self.in_flight = [0.0] * num_engines  # tokens of the generate calls started and not yet collected
         try:
             if in_process:
                 self.engines = [RolloutWorker(self.cfg, 0, name=self.names[0])]
             else:
                 if self.pool is None and self.cfg.num_cpus + self.cfg.num_gpus > 0:  # placed apart: a pool of their own
-                    self._make_pool(num_engines, self.cfg.placement, timeout_s)
-                self.names = self._at_nodes(self.names)
+                    from workers.group.pool import ResourcePool
+
+                    self.pool = ResourcePool(self.name, num_engines, self.cfg.num_cpus, self.cfg.num_gpus,
+                                             placement=self.cfg.placement, timeout_s=min(timeout_s, 60.0))
+                    self._own_pool = True
+                if is_multi_node() and self.pool is not None:
+                    self.names = [f"{n}@{self.pool.node_of(i)}" for i, n in enumerate(self.names)]
                 refuse_taken_names(self.names, RolloutError, "rollout group")
                 self.log_paths = [str(Path(log_dir) / self.name / f"{i}.log") if log_dir else None
                                   for i in range(num_engines)]
                 self.engines = [RolloutWorker.start(self.cfg, i, self.log_paths[i],
-                                                    **{**(actor_options or {}), **self._reserve(i, n), "name": n})
+                                                    **{**(actor_options or {}), **self._placement(i), "name": n})
                                 for i, n in enumerate(self.names)]
             self.infos = self._all("info", timeout_s=max(timeout_s, 300.0))
         except BaseException:
@@ -123,6 +137,15 @@ class RolloutGroup(RankedActors):
         register(self)
         self.dtype: str = self.infos[0]["dtype"]
         self.vocab_size: int = int(self.infos[0]["vocab_size"])
+
+    def _placement(self, rank: int) -> dict[str, Any]:
+        """Engine `rank` in bundle `rank` of the pool (its own, or the policy's when colocated), its CPUs / GPUs
+        booked there."""
+        if self.pool is None:  # an engine that asks for no resources goes wherever Ray puts it
+            return {}
+        self.pool.reserve(rank, self.cfg.num_cpus, self.cfg.num_gpus, who=f"{self.names[rank]}")
+        self._reserved += 1
+        return {"scheduling_strategy": self.pool.scheduling(rank)}
 
     @property
     def num_engines(self) -> int:
@@ -155,18 +178,27 @@ class RolloutGroup(RankedActors):
         """The error for the most telling of `failures` ((rank, exception) pairs): a dead engine first;
         weight-sync errors (they name their ranks) and bad input (ValueError) pass as they are; anything
         else becomes a RolloutError naming the engine."""
-        def passthrough(exc: BaseException) -> BaseException | None:
-            cause = getattr(exc, "cause", None)
-            return cause if isinstance(cause, WorkerGroupError | ValueError) else None
+        rank, exc = sorted(failures, key=lambda f: not is_death(f[1]))[0]
+        head = f"{self.name}.{what} failed on {self._describe(rank)}"
+        log = self.log_paths[rank] if rank < len(self.log_paths) else None
+        tail = f"\n--- last log lines of {self.names[rank]} ({log}) ---\n{tail_file(log, 20)}" if log else ""
+        cause = getattr(exc, "cause", None)
+        lost = node_lost(self.infos[rank].get("node_id")) if is_death(exc) and rank < len(self.infos) else None
+        if lost:
+            err: BaseException = NodeLostError(f"{self.name}.{what} failed: {lost}\n(first failure: {head}: the "
+                                               f"actor died ({type(exc).__name__}: {first_lines(str(exc), 6)})){tail}")
+        elif is_death(exc):
+            err = RolloutDiedError(
+                f"{head}: the actor died ({type(exc).__name__}: {first_lines(str(exc), 6)}){oom_note()}{tail}")
+        elif isinstance(cause, WorkerGroupError | ValueError):
+            err = cause
+        else:
+            err = RolloutError(f"{head}: {type(cause or exc).__name__}: {first_lines(str(cause or exc), 60)}{tail}")
+        err.__cause__ = exc
+        return err
 
-        return self._failure_error(f"{self.name}.{what}", failures, RolloutDiedError, RolloutError,
-                                   cause=lambda e: getattr(e, "cause", None) or e, passthrough=passthrough)[0]
-
-    def ranks_role(self) -> str:
-        return ROLE
-
-    def rank_log(self, rank: int) -> str | None:
-        return self.log_paths[rank] if rank < len(self.log_paths) else None
+    def _describe(self, rank: int) -> str:
+        return describe_rank(ROLE, rank, self.names[rank], self.infos[rank] if rank < len(self.infos) else {})
 
     def _all(self, method: str, *args: Any, timeout_s: float | None = None) -> list[Any]:
         ranks = list(range(self.num_engines))
@@ -281,7 +313,13 @@ class RolloutGroup(RankedActors):
                     ray.kill(e, no_restart=True)
                 except Exception:  # noqa: BLE001 - already gone
                     pass
-        self._release()
+        for rank in range(self._reserved):
+            self.pool.release(rank, self.cfg.num_cpus, self.cfg.num_gpus)  # type: ignore[union-attr]
+        self._reserved = 0
+        unregister(self)
+        if self._own_pool and self.pool is not None:
+            self.pool.shutdown()
+            self.pool, self._own_pool = None, False
         self.engines = []
 
 

@@ -27,6 +27,7 @@ import numbers
 import os
 import resource
 import signal
+import site
 import sys
 from typing import IO, Any
 
@@ -137,7 +138,10 @@ def main() -> int:
         return 1
     spec, path = sys.argv[1], json.loads(sys.argv[2])
     agent = opts.get("mode") == "agent"
-    sys.path[:0] = [p for p in path if p not in sys.path]
+    # the driver's own entries first (a module:function of the user's); not those inside this environment's
+    # site-packages, such as the vendor folder pkg_resources appends, which would shadow the real packages
+    own = tuple(site.getsitepackages())
+    sys.path[:0] = [p for p in path if p not in sys.path and not p.startswith(own)]
     out = os.fdopen(os.dup(1), "w")  # the reply channel
     os.dup2(2, 1)  # the user's prints go to stderr
     module_name, _, fn_name = spec.partition(":")

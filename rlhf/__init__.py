@@ -1,4 +1,4 @@
-"""The driver, config, CLI, data and tools. Importing it imports `workers`, which keeps scikit-learn out of
-transformers' generation utilities in this process (workers/lean_imports.py)."""
+"""The driver, config, CLI, data and tools. Importing it imports `workers`, which installs the import hooks of
+workers/lean_imports.py in this process."""
 
 import workers  # noqa: F401

@@ -17,7 +17,7 @@ The built-in GRPO and PPO steps (`rlhf.driver.rl.grpo`, `rlhf.driver.rl.ppo`) ar
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -334,15 +334,6 @@ def colocated_pool(cfg: RunConfig) -> Any:
                         res.num_gpus_per_worker, placement=res.placement, timeout_s=min(cfg.trainer.timeout_s, 60.0))
 
 
-def _shut_down_after_start(started: Future) -> None:
-    """Wait for a start that runs in another thread and shut what it started down (its error is dropped: the
-    caller is already failing)."""
-    try:
-        started.result().shutdown()
-    except BaseException:  # noqa: BLE001 - the first failure is the one reported
-        pass
-
-
 @dataclass
 class Roles:
     policy: PolicyHandle
@@ -354,53 +345,54 @@ class Roles:
 
     @classmethod
     def create(cls, cfg: RunConfig, run_dir: str | Path) -> Roles:
-        """Start every enabled role of `cfg` (Ray must be initialised). The rollout engines (and the judge's,
-        with reward.judge) start in threads beside the Megatron groups (each start is mostly imports and model
-        building in its own processes), so a run waits for the slowest, not for their sum."""
+        """Start every enabled role of `cfg` (Ray must be initialised). Every group (the Megatron roles, the
+        rollout engines, the judge's with reward.judge) starts in its own thread: each start is mostly imports
+        and model building in its own processes, so a run waits for the slowest, not for their sum. When one
+        fails, the others are waited for and shut down, and the first failure is raised."""
         from workers.roles import CriticWorker, PolicyWorker, ReferenceWorker, RewardModelWorker
 
         run_dir = Path(run_dir)
         reward = RewardHandle(cfg.reward)  # resolve before any worker starts
         temp = sampling_temperature(cfg)
-        handles: dict[str, Any] = {}
         shared = colocated_pool(cfg)
-        pool = ThreadPoolExecutor(2, thread_name_prefix="engines-start")
-        rollout = pool.submit(_rollout_handle, cfg, run_dir, temp, shared)
-        judge = pool.submit(judge_group, cfg.reward.judge, cfg.trainer.timeout_s, run_dir / "logs") \
-            if cfg.reward.judge.model_path else None
+        starts: dict[str, Callable[[], Any]] = {
+            "rollout": lambda: _rollout_handle(cfg, run_dir, temp, shared),
+            "policy": lambda: PolicyHandle(role_group("policy", cfg.policy, cfg, run_dir, PolicyWorker, pool=shared),
+                                           temp, routes=records_routes(cfg)),
+        }
+        if cfg.reward.judge.model_path:
+            starts["judge"] = lambda: judge_group(cfg.reward.judge, cfg.trainer.timeout_s, run_dir / "logs")
+        if cfg.algorithm.kl_coef > 0 and cfg.reference.enabled:
+            starts["reference"] = lambda: PolicyHandle(role_group("reference", cfg.reference, cfg, run_dir,
+                                                                  ReferenceWorker), temp)
+        if cfg.critic.enabled:
+            starts["critic"] = lambda: CriticHandle(role_group("critic", cfg.critic, cfg, run_dir, CriticWorker))
+        if cfg.reward.model_path:  # the config is left as saved: reward.model_path is passed, not written
+            starts["reward_model"] = lambda: role_group("reward_model", cfg.reward_model, cfg, run_dir,
+                                                        RewardModelWorker, model_path=cfg.reward.model_path)
+        pool = ThreadPoolExecutor(len(starts), thread_name_prefix="roles-start")
+        futures = {name: pool.submit(fn) for name, fn in starts.items()}
+        pool.shutdown(wait=False)
         try:
-            handles["policy"] = PolicyHandle(role_group("policy", cfg.policy, cfg, run_dir, PolicyWorker,
-                                                        pool=shared), temp, routes=records_routes(cfg))
-            if cfg.algorithm.kl_coef > 0 and cfg.reference.enabled:
-                handles["reference"] = PolicyHandle(role_group("reference", cfg.reference, cfg, run_dir, ReferenceWorker),
-                                                    temp)
-            if cfg.critic.enabled:
-                handles["critic"] = CriticHandle(role_group("critic", cfg.critic, cfg, run_dir, CriticWorker))
-            if cfg.reward.model_path:  # the config is left as saved: reward.model_path is passed, not written
-                reward.model_group = role_group("reward_model", cfg.reward_model, cfg, run_dir, RewardModelWorker,
-                                                model_path=cfg.reward.model_path)
+            wait(futures.values())
+            failed = [e for e in (f.exception() for f in futures.values()) if e is not None]
+            if failed:
+                raise failed[0]
         except BaseException:
-            for started in (rollout, judge):
-                if started is not None:
-                    _shut_down_after_start(started)
-            for h in [*handles.values(), reward, *([shared] if shared else [])]:
-                h.shutdown()
+            wait(futures.values())  # (an interrupt) what is still starting, then shut everything down
+            up = [f.result() for f in futures.values() if f.exception() is None]
+            for h in [*up, reward, *([shared] if shared else [])]:
+                try:
+                    h.shutdown()
+                except Exception:  # noqa: BLE001 - the first failure is the one reported
+                    pass
             raise
-        finally:
-            pool.shutdown(wait=False)
-        try:
-            if judge is not None:
-                reward.attach_judge(judge.result())
-            handles["rollout"] = rollout.result()
-        except BaseException:
-            if reward.service is None and judge is not None:  # the judge's start failed, or is still running
-                _shut_down_after_start(judge)
-            if "rollout" not in handles:
-                _shut_down_after_start(rollout)
-            for h in [*handles.values(), reward, *([shared] if shared else [])]:
-                h.shutdown()
-            raise
-        return cls(reward=reward, pool=shared, **handles)
+        started = {name: f.result() for name, f in futures.items()}
+        if "judge" in started:
+            reward.attach_judge(started.pop("judge"))
+        if "reward_model" in started:
+            reward.model_group = started.pop("reward_model")
+        return cls(reward=reward, pool=shared, **started)
 
     def all(self) -> list[Any]:
         """Every handle that holds workers (the reward only when it is a reward-model group)."""

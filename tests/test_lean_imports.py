@@ -1,9 +1,13 @@
-"""transformers' generation utilities import scikit-learn (and SciPy) in every process unless `workers` was
-imported first (workers/lean_imports.py): checked in fresh interpreters, each way."""
+"""The import hooks of workers/lean_imports.py, checked in fresh interpreters, each way: after `import workers`
+(or `import rlhf`) transformers' generation utilities import no scikit-learn or SciPy, and megatron-core (on
+CPU) imports neither Inductor nor wandb; without the hooks it does (the controls), so a hook that
+no longer saves anything is noticed. One interpreter per way, shared by the tests that read it."""
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,27 +20,58 @@ import json, sys
 from transformers import AutoConfig
 AutoConfig.for_model("qwen2")
 import transformers.generation.candidate_generator as cg
-loaded = {{m: m in sys.modules for m in ("sklearn", "scipy")}}
+out = {{m: m in sys.modules for m in ("sklearn", "scipy")}}
+import megatron.core, megatron.core.models.gpt, megatron.core.optimizer  # what a Megatron worker imports
+from megatron.core import jit
+from megatron.core.fusions.fused_bias_swiglu import bias_swiglu
+import torch
+out.update({{m: m in sys.modules for m in ("torch._inductor.compile_fx", "wandb")}})  # (transformers imports Dynamo)
+out["eager_fuser"] = jit.jit_fuser is jit.noop_decorator
+if out["eager_fuser"]:  # compiled, this would need a C++ toolchain at first call; eager, it is the formula
+    x, b = torch.randn(4, 8), torch.randn(8)
+    y = x + b
+    out["swiglu_equal"] = torch.equal(bias_swiglu(x, b), torch.nn.functional.silu(y[:, :4]) * y[:, 4:])
+out["threshold_feature"] = cg.is_sklearn_available()
 import sklearn.metrics  # still importable for whoever asks for it (lm-eval)
-print(json.dumps({{**loaded, "threshold_feature": cg.is_sklearn_available(), "direct": hasattr(sklearn.metrics, "roc_curve")}}))
+import wandb  # and wandb (trainer.logger=wandb)
+out["sklearn_direct"], out["wandb_direct"] = hasattr(sklearn.metrics, "roc_curve"), hasattr(wandb, "init")
+print(json.dumps(out))
 """
 
 
+@functools.cache
 def _probe(first: str) -> dict:
     out = subprocess.run([sys.executable, "-c", PROBE.format(first=first)], cwd=REPO, capture_output=True, text=True,
-                         timeout=300)
+                         timeout=300, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+DIRECT = {"sklearn_direct": True, "wandb_direct": True}
+
+
 def test_transformers_imports_no_sklearn_after_workers():
-    assert _probe("import workers") == {"sklearn": False, "scipy": False, "threshold_feature": False, "direct": True}
+    got = _probe("import workers")
+    assert {k: got[k] for k in ("sklearn", "scipy", "threshold_feature")} == dict.fromkeys(
+        ("sklearn", "scipy", "threshold_feature"), False), got
+    assert {k: got[k] for k in DIRECT} == DIRECT
 
 
-def test_rlhf_installs_the_same_finder():
-    assert _probe("import rlhf")["sklearn"] is False
+def test_megatron_imports_neither_inductor_nor_wandb_after_workers_on_cpu():
+    got = _probe("import workers")
+    assert not got["torch._inductor.compile_fx"] and not got["wandb"], got
+    assert got["eager_fuser"] and got["swiglu_equal"], got
 
 
-def test_without_it_transformers_imports_sklearn():
-    """The control: if transformers stops importing scikit-learn, this fails, and the finder can go."""
-    assert _probe("pass") == {"sklearn": True, "scipy": True, "threshold_feature": True, "direct": True}
+def test_rlhf_installs_the_same_hooks():
+    got = _probe("import rlhf")
+    assert not got["sklearn"] and not got["torch._inductor.compile_fx"] and not got["wandb"] and got["eager_fuser"], got
+
+
+def test_without_them_the_libraries_import_what_the_hooks_keep_out():
+    """The controls: if transformers stops importing scikit-learn, or megatron-core stops compiling its fusions
+    at import or importing wandb, this fails, and that hook can go."""
+    got = _probe("pass")
+    assert got["sklearn"] and got["scipy"] and got["threshold_feature"], got
+    assert got["torch._inductor.compile_fx"] and got["wandb"] and not got["eager_fuser"], got
+    assert {k: got[k] for k in DIRECT} == DIRECT

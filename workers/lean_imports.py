@@ -1,12 +1,22 @@
-"""Keep scikit-learn out of every process that imports transformers' generation utilities.
+"""Keep what a process never uses out of three libraries' imports; each process that imports `workers` or
+`rlhf` gets these hooks, and every Megatron worker and rollout engine imports `workers` first.
 
-transformers (5.x) imports `sklearn.metrics` from `transformers.generation.candidate_generator` whenever
-scikit-learn is installed (lm-eval, in the eval extra, installs it), for one feature: the confidence threshold
-of HF's assisted decoding, which nothing here uses (generation runs on vLLM). Any `AutoConfig.from_pretrained`
-reaches that module (the config classes' docstring decorator imports the auto model classes), so every
-Megatron worker, rollout engine and CLI process paid for scikit-learn and SciPy: about 2.5 s of CPU each on
-2 cores. The finder below lets that one module see scikit-learn as absent while it is imported; the package
-itself stays importable for whoever imports it directly (lm-eval).
+- transformers (5.x) imports `sklearn.metrics` from `transformers.generation.candidate_generator` whenever
+  scikit-learn is installed (lm-eval, in the eval extra, installs it), for one feature: the confidence
+  threshold of HF's assisted decoding, which nothing here uses (generation runs on vLLM). Any
+  `AutoConfig.from_pretrained` reaches that module, so every Megatron worker, rollout engine and CLI process
+  paid for scikit-learn and SciPy: about 2.5 s of CPU each on 2 cores. That one module sees scikit-learn as
+  absent while it is imported; the package stays importable for whoever imports it directly (lm-eval).
+- megatron-core's `megatron.core.jit.jit_fuser` is `torch.compile`, applied as a decorator while megatron-core
+  imports its fusions, which imports Inductor (about 3 s of CPU per process, TorchDynamo included when
+  transformers has not imported it already). Without CUDA
+  the fuser is made the no-op megatron-core itself offers (`disable_jit_fuser`): the decorated functions run
+  eagerly, as they would have before a compile, and nothing on CPU compiles them at first call. With CUDA
+  nothing changes.
+- megatron-core's timers and dynamic inference context import wandb if installed (about 1 s) for logging
+  features of its own training loop and inference engine, which nothing here runs. While those modules are
+  imported, wandb reads as absent; the package stays importable (rlhf's metrics logger imports it when
+  `trainer.logger` asks for it).
 """
 
 from __future__ import annotations
@@ -14,38 +24,68 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import sys
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-_MODULE = "transformers.generation.candidate_generator"
+_SKLEARN_USER = "transformers.generation.candidate_generator"
+_JIT = "megatron.core.jit"
+_WANDB_USERS = ("megatron.core.inference.contexts.dynamic_context", "megatron.core.timers")
 
 
-class _WithoutSklearn(importlib.abc.MetaPathFinder):
-    """Finds `_MODULE` as the path finder does, and runs it with `is_sklearn_available` answering False."""
+def _without_sklearn(run: Callable[[ModuleType], None], module: ModuleType) -> None:
+    import transformers.utils as hf_utils
+
+    found = hf_utils.is_sklearn_available
+    hf_utils.is_sklearn_available = lambda: False  # read by the module's `from ..utils import`
+    try:
+        run(module)
+    finally:
+        hf_utils.is_sklearn_available = found
+
+
+def _eager_fuser_without_cuda(run: Callable[[ModuleType], None], module: ModuleType) -> None:
+    run(module)
+    import torch
+
+    if not torch.cuda.is_available():
+        module.disable_jit_fuser()
+
+
+def _without_wandb(run: Callable[[ModuleType], None], module: ModuleType) -> None:
+    if "wandb" in sys.modules:  # already imported by this process: nothing to save
+        run(module)
+        return
+    sys.modules["wandb"] = None  # type: ignore[assignment]  # `import wandb` raises ImportError
+    try:
+        run(module)
+    finally:
+        del sys.modules["wandb"]
+
+
+HOOKS: dict[str, Callable[[Callable[[ModuleType], None], ModuleType], None]] = {
+    _SKLEARN_USER: _without_sklearn,
+    _JIT: _eager_fuser_without_cuda,
+    **{name: _without_wandb for name in _WANDB_USERS},
+}
+
+
+class _LeanImports(importlib.abc.MetaPathFinder):
+    """Finds each module of HOOKS as the path finder does, and runs it through its hook."""
 
     def find_spec(self, name: str, path: Any = None, target: ModuleType | None = None) -> Any:
-        if name != _MODULE:
+        hook = HOOKS.get(name)
+        if hook is None:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path, target)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         run = spec.loader.exec_module
-
-        def exec_module(module: ModuleType) -> None:
-            import transformers.utils as hf_utils
-
-            found = hf_utils.is_sklearn_available
-            hf_utils.is_sklearn_available = lambda: False  # read by the module's `from ..utils import` below
-            try:
-                run(module)
-            finally:
-                hf_utils.is_sklearn_available = found
-
-        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        spec.loader.exec_module = lambda module: hook(run, module)  # type: ignore[method-assign]
         return spec
 
 
-def skip_sklearn_in_transformers() -> None:
+def install_lean_imports() -> None:
     """Install the finder once in this process (it imports nothing)."""
-    if not any(isinstance(f, _WithoutSklearn) for f in sys.meta_path):
-        sys.meta_path.insert(0, _WithoutSklearn())
+    if not any(isinstance(f, _LeanImports) for f in sys.meta_path):
+        sys.meta_path.insert(0, _LeanImports())

@@ -75,3 +75,25 @@ def test_without_them_the_libraries_import_what_the_hooks_keep_out():
     assert got["sklearn"] and got["scipy"] and got["threshold_feature"], got
     assert got["torch._inductor.compile_fx"] and got["wandb"] and not got["eager_fuser"], got
     assert {k: got[k] for k in DIRECT} == DIRECT
+
+
+def test_a_hidden_module_reads_as_absent_only_while_its_user_imports(tmp_path, monkeypatch):
+    """The mechanism behind the wandb and scipy.signal hooks, in this process: the hooked module sees
+    ImportError, the hidden module is importable again right after."""
+    from workers import lean_imports
+
+    (tmp_path / "lean_probe_user.py").write_text(
+        "try:\n    import lean_probe_hidden\nexcept ImportError:\n    lean_probe_hidden = None\n")
+    (tmp_path / "lean_probe_hidden.py").write_text("VALUE = 7\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(lean_imports.HOOKS, "lean_probe_user", lean_imports._without("lean_probe_hidden"))
+    try:
+        import lean_probe_user
+
+        assert lean_probe_user.lean_probe_hidden is None and "lean_probe_hidden" not in sys.modules
+        import lean_probe_hidden
+
+        assert lean_probe_hidden.VALUE == 7
+    finally:
+        for name in ("lean_probe_user", "lean_probe_hidden"):
+            sys.modules.pop(name, None)

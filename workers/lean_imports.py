@@ -1,4 +1,4 @@
-"""Keep what a process never uses out of three libraries' imports; each process that imports `workers` or
+"""Keep what a process never uses out of four libraries' imports; each process that imports `workers` or
 `rlhf` gets these hooks, and every Megatron worker and rollout engine imports `workers` first.
 
 - transformers (5.x) imports `sklearn.metrics` from `transformers.generation.candidate_generator` whenever
@@ -17,6 +17,8 @@
   features of its own training loop and inference engine, which nothing here runs. While those modules are
   imported, wandb reads as absent; the package stays importable (rlhf's metrics logger imports it when
   `trainer.logger` asks for it).
+- vLLM's audio module imports `scipy.signal` (about 1.3 s) for one of its audio resamplers; nothing here takes
+  audio, and vLLM itself falls back to a placeholder that fails only when that resampler is called.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 
 _SKLEARN_USER = "transformers.generation.candidate_generator"
 _JIT = "megatron.core.jit"
+_AUDIO = "vllm.multimodal.audio"
 _WANDB_USERS = ("megatron.core.inference.contexts.dynamic_context", "megatron.core.timers")
 
 
@@ -52,21 +55,26 @@ def _eager_fuser_without_cuda(run: Callable[[ModuleType], None], module: ModuleT
         module.disable_jit_fuser()
 
 
-def _without_wandb(run: Callable[[ModuleType], None], module: ModuleType) -> None:
-    if "wandb" in sys.modules:  # already imported by this process: nothing to save
-        run(module)
-        return
-    sys.modules["wandb"] = None  # type: ignore[assignment]  # `import wandb` raises ImportError
-    try:
-        run(module)
-    finally:
-        del sys.modules["wandb"]
+def _without(name: str) -> Callable[[Callable[[ModuleType], None], ModuleType], None]:
+    """A hook that runs a module with `import <name>` raising ImportError (unless this process has it already)."""
+    def hook(run: Callable[[ModuleType], None], module: ModuleType) -> None:
+        if name in sys.modules:  # already imported by this process: nothing to save
+            run(module)
+            return
+        sys.modules[name] = None  # type: ignore[assignment]  # `import <name>` raises ImportError
+        try:
+            run(module)
+        finally:
+            del sys.modules[name]
+
+    return hook
 
 
 HOOKS: dict[str, Callable[[Callable[[ModuleType], None], ModuleType], None]] = {
     _SKLEARN_USER: _without_sklearn,
     _JIT: _eager_fuser_without_cuda,
-    **{name: _without_wandb for name in _WANDB_USERS},
+    **{name: _without("wandb") for name in _WANDB_USERS},
+    _AUDIO: _without("scipy.signal"),
 }
 
 

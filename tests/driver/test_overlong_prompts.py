@@ -53,6 +53,26 @@ def test_limit_is_context_minus_max_tokens_counted_after_the_chat_template(tmp_p
                            "data.overlong_prompts=fail refuses them)")
 
 
+def test_a_second_load_of_the_same_files_and_settings_is_not_counted_again(tmp_path, tiny_model_factory,
+                                                                          monkeypatch):
+    """prepare_inputs checks the lengths, then the runner loads the prompts: the second load reuses the first
+    (each one chat-templates and tokenises every prompt), unless a file or setting changed in between."""
+    import rlhf.data.prompts as prompts_module
+
+    model = tiny_model_factory("tiny-qwen2")
+    prompts = _prompt_file(tmp_path / "p.jsonl")
+    loads = []
+    real = prompts_module.load_prompt_dataset
+    monkeypatch.setattr(prompts_module, "load_prompt_dataset", lambda *a, **k: loads.append(1) or real(*a, **k))
+    cfg = _cfg(tmp_path, model, prompts, "rollout.max_tokens=400")
+    first = load_rl_prompts(cfg)
+    assert load_rl_prompts(cfg) == first and len(loads) == 1
+    load_rl_prompts(_cfg(tmp_path, model, prompts, "rollout.max_tokens=300"))  # another limit: counted again
+    assert len(loads) == 2
+    _prompt_file(prompts, n_short=3)  # the file rewritten: read again
+    assert len(load_rl_prompts(_cfg(tmp_path, model, prompts, "rollout.max_tokens=300"))[0]) == 3 and len(loads) == 3
+
+
 def test_fail_mode_names_file_line_before_ray(tmp_path, tiny_model_factory, capsys):
     model = tiny_model_factory("tiny-qwen2")
     prompts = _prompt_file(tmp_path / "p.jsonl")

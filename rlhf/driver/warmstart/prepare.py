@@ -13,9 +13,10 @@ Everything generated is reused when it already exists, so a resumed run starts f
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rlhf.config.schema import RunConfig
 from rlhf.config.validate import PAIR_STAGES
@@ -207,17 +208,44 @@ def prompt_limit(cfg: RunConfig) -> PromptLimit | None:
 
 def load_rl_prompts(cfg: RunConfig, report: bool = True, check_lengths: bool = True) -> tuple[list, list]:
     """The run's (train, val) prompts with over-long ones dropped (a count on stdout when `report`) or
-    refused, per data.overlong_prompts (`check_lengths` False: parsed only, no model needed)."""
+    refused, per data.overlong_prompts (`check_lengths` False: parsed only, no model needed). The last result
+    is kept for a second call on the same files, settings and model (`prepare_inputs` checks the lengths,
+    then the runner loads the prompts): counting means chat-templating and tokenising every prompt."""
     from rlhf.data.prompts import load_prompt_dataset
 
     d = cfg.data
     limit = prompt_limit(cfg) if check_lengths else None
-    train, val = load_prompt_dataset(d.train_file, d.val_file, val_size=d.val_size, prompt_key=d.prompt_key,
-                                     messages_key=d.messages_key, answer_key=d.answer_key, seed=d.seed,
-                                     limit=limit)
-    if report and limit is not None and limit.dropped:
-        print(limit.summary(), flush=True)
-    return train, val
+    key = _prompts_key(cfg, limit)
+    if _LAST_PROMPTS.get("key") != key:
+        train, val = load_prompt_dataset(d.train_file, d.val_file, val_size=d.val_size, prompt_key=d.prompt_key,
+                                         messages_key=d.messages_key, answer_key=d.answer_key, seed=d.seed,
+                                         limit=limit)
+        _LAST_PROMPTS.update(key=key, train=train, val=val, summary=limit.summary() if limit else "")
+    if report and _LAST_PROMPTS["summary"]:
+        print(_LAST_PROMPTS["summary"], flush=True)
+    return list(_LAST_PROMPTS["train"]), list(_LAST_PROMPTS["val"])
+
+
+_LAST_PROMPTS: dict[str, Any] = {}
+
+
+def _prompts_key(cfg: RunConfig, limit: PromptLimit | None) -> tuple:
+    """What the loaded prompts depend on: the files (path, size, modification time), the data settings, and
+    for the length check the limit, the tokenizer's folder (its files' times) and the tool schemas."""
+    def stamp(path: str | None) -> tuple:
+        if not path or not Path(path).exists():
+            return (path,)
+        st = Path(path).stat()
+        return path, st.st_size, st.st_mtime_ns
+
+    d = cfg.data
+    files = (stamp(d.train_file), stamp(d.val_file), d.val_size, d.prompt_key, d.messages_key, d.answer_key, d.seed)
+    if limit is None:
+        return files
+    tok = Path(cfg.model.tokenizer_path or cfg.model.path)
+    tok_files = tuple(stamp(str(f)) for f in sorted(tok.glob("*"))) if tok.is_dir() else (str(tok),)
+    tools = json.dumps(rollout_tool_schemas(cfg), sort_keys=True)
+    return files, limit.max_prompt_tokens, limit.mode, tok_files, tools
 
 
 def _check_eval_tasks(cfg: RunConfig) -> None:

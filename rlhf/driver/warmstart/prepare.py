@@ -223,7 +223,7 @@ def load_rl_prompts(cfg: RunConfig, report: bool = True, check_lengths: bool = T
         _LAST_PROMPTS.update(key=key, train=train, val=val, summary=limit.summary() if limit else "")
     if report and _LAST_PROMPTS["summary"]:
         print(_LAST_PROMPTS["summary"], flush=True)
-    return list(_LAST_PROMPTS["train"]), list(_LAST_PROMPTS["val"])
+    return [dict(r) for r in _LAST_PROMPTS["train"]], [dict(r) for r in _LAST_PROMPTS["val"]]  # callers' own
 
 
 _LAST_PROMPTS: dict[str, Any] = {}

@@ -26,7 +26,9 @@ run: install
 
 # `make test`: every test not marked `slow` (the CI command; it must stay within its time budget on 2 cores).
 # `make test-slow`: the `slow` ones (whole-pipeline and kill-and-resume runs, `ray job submit`, a fourth family
-# end to end, extra DPO layouts); `make test-all`: both.
+# end to end, extra DPO layouts, and whole runs whose parts make test checks without a run: the overlong-prompt
+# drop, the reward guard's stop, the OpenAI-agent and LLM-judge runs, the custom workflow example, the frozen
+# vision tower, the multi-node shared-run-dir refusal); `make test-all`: both.
 # The junit report keeps each test's duration: `make durations` sums them per file.
 test: install
 	$(BIN)/python -m pytest -q -rs -m "not slow" --junitxml=runs/test-report.xml

@@ -25,6 +25,9 @@ def _conversations(calls: list) -> list[list]:
     return out
 
 
+# `slow` (68 s in make test): the endpoint's sessions, records and token-in/token-out stay covered by
+# tests/endpoint/test_endpoint.py, the setting's checks by the test below
+@pytest.mark.slow
 def test_grpo_on_openai_agents_trains_the_sampled_tokens(tmp_path, monkeypatch):
     from rlhf import workflow
     from rlhf.driver.rl import openai_agents

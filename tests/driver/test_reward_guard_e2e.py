@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from tests.helpers.cli import FAST, python
 from tests.helpers.runs import metrics
 
@@ -55,6 +57,9 @@ if __name__ == "__main__":
 '''
 
 
+# `slow` (62 s in make test): the reward guard's counting and fallback are checked without a run in
+# test_reward_guard.py, the stop after skipped updates in test_run_loop_guard.py
+@pytest.mark.slow
 def test_flaky_reward_is_counted_and_skipped_updates_stop_the_run(tmp_path):
     (tmp_path / "flaky_reward.py").write_text(USER_REWARD)
     (tmp_path / "nan_step.py").write_text(STEP)

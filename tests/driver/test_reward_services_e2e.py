@@ -53,6 +53,8 @@ def test_grpo_scores_with_a_remote_verifier(tmp_path):
     assert abs(logged * BATCH - sum(replied)) < 1e-2 * len(replied)
 
 
+# `slow` (41 s in make test): the judge's prompt, parsing and scores stay covered by test_reward_judge.py
+@pytest.mark.slow
 def test_grpo_scores_with_an_llm_judge(tmp_path, tiny_model_factory):
     """The judge answers "Score: 9" to a response whose last token has an even id (or is 0-4) and nothing
     (malformed: the fallback -1, counted) to any other, so 16 samples with m malformed verdicts have the mean reward (9 (16 - m) - m) / 16:

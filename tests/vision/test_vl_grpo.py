@@ -25,7 +25,9 @@ def first_data() -> dict[str, Path]:
     return {}
 
 
-@pytest.mark.parametrize("freeze_vision", [False, True])
+# freeze_vision=true is `slow` (50-74 s in make test): the VL run itself stays in make test with false, and
+# tests/vision/test_vl_config.py checks the setting
+@pytest.mark.parametrize("freeze_vision", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_grpo_with_images_two_steps(tmp_path: Path, freeze_vision: bool, first_data: dict[str, Path]):
     run = tmp_path / "vl"
     if "data" in first_data:

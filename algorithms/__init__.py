@@ -15,6 +15,7 @@ from .advantages import (
     rloo,
 )
 from .aggregation import AGG_MODES, agg_loss, check_agg_mode, global_normalizer
+from .distill import distill_advantages, top1_agreement
 from .kl import (
     KL_ALIASES,
     KL_CONTROLLERS,
@@ -100,6 +101,7 @@ __all__ = [
     "check_preference_loss",
     "combine_rewards",
     "compute_advantages",
+    "distill_advantages",
     "entropy_from_logits",
     "extract_answer",
     "format_reward",
@@ -109,6 +111,7 @@ __all__ = [
     "global_normalizer",
     "grpo",
     "kl_estimate",
+    "top1_agreement",
     "kto_kl_baseline",
     "kto_loss",
     "list_advantage_estimators",

@@ -35,12 +35,14 @@ Curve = list[tuple[int, float]]
 class Example:
     name: str
     metric: str  # the evaluated curve, read from metrics.jsonl
-    check: Callable[[Curve], str | None]  # None when the curve meets the promise, else why not
+    check: Callable[..., str | None]  # None when the curve meets the promise (and the baseline's), else why not
     promise: str
     extras: tuple[str, ...] = ()  # metrics shown beside the curve, from the last evaluation that logged them
     # overrides of the shipped config, "{out}" standing for the examples' output folder (an example that reads
     # an earlier one's result, e.g. its exported reward model, is listed after it)
     overrides: tuple[str, ...] = ()
+    # an earlier example whose curve of the same metric the promise compares with: `check(curve, baseline)`
+    baseline: str | None = None
 
 
 def _points(curve: Curve) -> tuple[float, float, float]:
@@ -73,6 +75,19 @@ def lora_learned(curve: Curve) -> str | None:
     issue's promise for GRPO with LoRA; the config's steps fit in 15 minutes on 2 cores)."""
     start, _, end = _points(curve)
     return None if end - start >= 0.15 else f"accuracy {start:.1%} -> last two {end:.1%} (want +15 points)"
+
+
+def distilled(curve: Curve, grpo: Curve) -> str | None:
+    """On-policy distillation from the same warm start as GRPO: +15 points at the best evaluation, reached in
+    fewer optimizer steps than GRPO needs to reach that accuracy (or GRPO never does)."""
+    start, best, _ = _points(curve)
+    at = next(step for step, v in curve if v == best)
+    grpo_at = next((step for step, v in grpo if v >= best), None)
+    if best - start < 0.15:
+        return f"accuracy {start:.1%} -> best {best:.1%} (want +15 points)"
+    if grpo_at is not None and grpo_at <= at:
+        return f"best {best:.1%} at step {at}; GRPO from the same start got there by step {grpo_at} (want fewer steps)"
+    return None
 
 
 def ran(curve: Curve) -> None:
@@ -126,6 +141,10 @@ def loss_fell(curve: Curve) -> str | None:
 
 EXAMPLES = [
     Example("grpo_tiny", "val/accuracy", grpo_learned, "greedy accuracy +25 points (best), +20 (last two)"),
+    Example("distill_tiny", "val/accuracy", distilled,
+            "greedy accuracy +15 points (best), on-policy distillation from grpo_tiny's export, reaching its best in "
+            "fewer steps than grpo_tiny from the same warm start", ("distill/teacher_kl", "distill/top1_agreement"),
+            ("teacher.model_path={out}/grpo_tiny/hf",), baseline="grpo_tiny"),
     Example("ppo_tiny", "val/accuracy", ppo_learned, "greedy accuracy +5 points (last two)"),
     Example("grpo_tiny_moe", "val/accuracy", best_up_20,
             "greedy accuracy +20 points (best), MoE at EP=2 with routing replay, Megatron warm start",
@@ -150,6 +169,9 @@ EXAMPLES = [
     Example("kto_tiny", "val/greedy_accuracy", kto_learned,
             "greedy accuracy +10 points (last two), KTO on the pairs split into unpaired examples",
             ("val/kto/kl_baseline", "kto/kl_baseline")),
+    Example("online_dpo_tiny", "val/accuracy", dpo_learned,
+            "greedy accuracy +15 points (last two), DPO on the best-vs-worst of the policy's own samples",
+            ("online_dpo/kept_fraction", "rewards/accuracy")),
     Example("rm_tiny", "val/accuracy", rm_learned, "held-out pair accuracy 75% (best), 70% (last two)",
             ("val/margin",)),
     Example("ppo_tiny_rm", "val/reward_mean", reward_rose, "learned reward of greedy answers +0.5 (last two)",
@@ -170,15 +192,25 @@ def train(example: Example, out: Path) -> dict:
     with (out.parent / f"{example.name}.log").open("w") as log:
         rc = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1")).returncode
     wall = time.perf_counter() - t0
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()] if rc == 0 else []
+    rows = read_rows(out) if rc == 0 else []
     curve = [(r["step"], float(r[example.metric])) for r in rows if example.metric in r]
+    base = [(r["step"], float(r[example.metric])) for r in read_rows(out.parent / example.baseline)
+            if example.metric in r] if example.baseline else []
     steps = [r["step_time_s"] for r in rows if "step_time_s" in r]
     extras = {k: next((float(r[k]) for r in reversed(rows) if k in r), float("nan")) for k in example.extras}
     failure = (f"`rlhf train` exited {rc} (log: {out.parent / (example.name + '.log')})" if rc
-               else "fewer than two evaluations" if len(curve) < 2 else example.check(curve))
-    return {"curve": curve, "wall_s": wall, "steps": max((r["step"] for r in rows), default=0),
+               else "fewer than two evaluations" if len(curve) < 2
+               else f"no curve of {example.baseline} to compare with (run it first)" if example.baseline and not base
+               else example.check(curve, base) if example.baseline else example.check(curve))
+    return {"curve": curve, "baseline": base, "wall_s": wall, "steps": max((r["step"] for r in rows), default=0),
             "median_step_s": statistics.median(steps) if steps else float("nan"), "failure": failure,
             "extras": extras}
+
+
+def read_rows(run_dir: Path) -> list[dict]:
+    """A run's metrics.jsonl rows (none when it has not run)."""
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.is_file() else []
 
 
 def head_commit() -> str:
@@ -199,6 +231,10 @@ def row(example: Example, res: dict, stamp: str) -> str:
     shown = f"{fmt(curve[0][1])} -> {fmt(curve[-1][1])}" if curve else "-"
     if pct and len(curve) > 1:
         shown += f" (best {fmt(max(v for _, v in curve[1:]))})"
+    if res.get("baseline"):
+        base = res["baseline"]
+        shown += f"; {example.baseline}: " + ", ".join(f"{fmt(v)} @{step}" for step, v in base)
+        shown += "; this run: " + ", ".join(f"{fmt(v)} @{step}" for step, v in curve)
     if res.get("extras"):
         shown += "; last " + ", ".join(f"{k} {v:.3g}" for k, v in res["extras"].items())
     verdict = "**fail**: " + res["failure"] if res["failure"] else "pass"

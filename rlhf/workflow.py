@@ -4,7 +4,7 @@
     batch = roles.rollout.generate(prompts)          # n samples per prompt, with sampled logprobs
     batch = roles.reward(batch)                      # `scores` [B]; or generate(prompts, score=roles.reward):
                                                      # each engine's samples scored as they return
-    batch = roles.reference.logprobs(batch)          # `ref_logprobs` [B, R]
+    batch = roles.reference.logprobs(batch)          # `ref_logprobs` [B, R] (a distillation teacher: roles.teacher)
     batch = roles.policy.logprobs(batch)             # `old_logprobs` [B, R]
     batch, _ = add_advantages(batch, cfg.algorithm, kl_coef)
     metrics = roles.policy.train(batch)
@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from algorithms import REFERENCE_FREE_LOSSES
 from rlhf.config.schema import RewardConfig, RoleConfig, RunConfig
 from rlhf.driver.rl.reward_judge import judge_group
 from rlhf.driver.rl.rewards import RewardScorer
@@ -69,6 +70,13 @@ def records_routes(cfg: RunConfig) -> bool:
     return bool(cfg.policy.moe.routing_replay or cfg.algorithm.old_logprobs == "recompute")
 
 
+def needs_reference(cfg: RunConfig) -> bool:
+    """Whether the RL step uses the `reference` role: a KL term (algorithm.kl_coef > 0), or online DPO with a
+    loss that compares with the reference (all but the reference-free ones)."""
+    a = cfg.algorithm
+    return a.kl_coef > 0 or (a.name == "online_dpo" and a.dpo.loss not in REFERENCE_FREE_LOSSES)
+
+
 def role_group(role: str, rc: RoleConfig, cfg: RunConfig, run_dir: Path, worker_cls: type,
                optimizer_steps: int | None = None, pool=None, model_path: str | None = None, **init: Any):
     """The role's worker group; `model_path` (else the role's, else the run's model) is the HF folder it
@@ -104,11 +112,17 @@ class PolicyHandle:
     def __init__(self, group: Any, temperature: float = 1.0, routes: bool = False) -> None:
         self.group, self.temperature, self.routes = group, temperature, routes
 
-    def logprobs(self, batch: Batch, key: str = "old_logprobs", entropy: bool = False) -> Batch:
+    def logprobs(self, batch: Batch, key: str = "old_logprobs", entropy: bool = False,
+                 top1: str | None = None) -> Batch:
+        """`key` [B, R]: the responses' log-probs; `entropy` too when asked; with `top1`, the greedy token id
+        at each response position under that name."""
         routed = self.routes and ROUTES_KEY in batch
         out = self.group.compute_logprobs(model_view(batch, [*RESPONSE_KEYS, ROUTES_KEY] if routed else RESPONSE_KEYS),
-                                          with_entropy=entropy, key=key, temperature=self.temperature)
+                                          with_entropy=entropy, key=key, temperature=self.temperature,
+                                          top1_key=top1)
         batch[key] = out[key]
+        if top1:
+            batch[top1] = out[top1].long()
         if entropy:
             batch["entropy"] = out["entropy"]
         if routed and POLICY_ROUTES_KEY in out:
@@ -118,6 +132,17 @@ class PolicyHandle:
     def train(self, batch: Batch, loss: PPOLossConfig | dict[str, Any]) -> dict[str, float]:
         """One PPO update with `loss_config(cfg)`, log-probs at the rollout's temperature."""
         return self.group.train_step(batch, loss, temperature=self.temperature)
+
+    def train_lm(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step of the LM loss on the responses of an RL-layout batch (its prompt and the tokens
+        outside `response_mask` are context only): loss, tokens, grad_norm, lr."""
+        from workers.roles.lm import lm_batch_from_rl
+
+        prompt = batch["input_ids"].shape[1] - batch["responses"].shape[1]
+        targets = torch.cat([torch.zeros(len(batch), prompt), batch["response_mask"].float()], dim=1)
+        return self.group.train_lm_step(lm_batch_from_rl(Batch({"input_ids": batch["input_ids"],
+                                                                 "attention_mask": batch["attention_mask"],
+                                                                 "loss_mask": targets})))
 
     def save(self, path: Path) -> None:
         self.group.save_checkpoint(str(path))
@@ -276,26 +301,30 @@ class RolloutHandle:
         self.group.shutdown()
 
 
-def _rollout_handle(cfg: RunConfig, run_dir: Path, temp: float, pool: Any = None) -> RolloutHandle:
+def _rollout_handle(cfg: RunConfig, run_dir: Path, temp: float, pool: Any = None,
+                    teacher: bool = False) -> RolloutHandle:
     """The run's rollout group (its engines started and ready; in `pool`'s bundles when colocated) with its
-    sampling, sync and agent settings."""
+    sampling, sync and agent settings. `teacher`: engines of the same settings serving `teacher.model_path`
+    (algorithm.distill.mode=forward_kl), never synced, with no routing, LoRA or agent sessions."""
     from workers.rollout import EngineConfig, RolloutGroup, SamplingConfig, SyncConfig
 
     # Sampled-token logprobs after temperature (the sampling distribution) when it is not 1.
     mode = "raw_logprobs" if temp == 1.0 else "processed_logprobs"
     r = cfg.rollout
-    lora_rank = cfg.policy.lora.rank if r.sync_lora_adapter and cfg.policy.lora is not None else 0
-    engine = build(EngineConfig, r, model_path=cfg.model.path, tokenizer_path=cfg.model.tokenizer_path,
-                   logprobs_mode=mode, return_routed_experts=records_routes(cfg), max_lora_rank=lora_rank,
+    lora_rank = cfg.policy.lora.rank if r.sync_lora_adapter and cfg.policy.lora is not None and not teacher else 0
+    engine = build(EngineConfig, r, model_path=cfg.teacher.model_path if teacher else cfg.model.path,
+                   tokenizer_path=cfg.model.tokenizer_path, logprobs_mode=mode,
+                   return_routed_experts=records_routes(cfg) and not teacher, max_lora_rank=lora_rank,
                    enable_sleep_mode=pool is not None).validate()
-    group = RolloutGroup(engine, r.num_engines, timeout_s=cfg.trainer.timeout_s, name="rollout",
-                         log_dir=run_dir / "logs", resource_pool=pool)
+    group = RolloutGroup(engine, r.num_engines, timeout_s=cfg.trainer.timeout_s,
+                         name="teacher-rollout" if teacher else "rollout", log_dir=run_dir / "logs",
+                         resource_pool=pool)
     agent = build(AgentOptions, r) if r.tools or r.env else None
     sampling = build(SamplingConfig, r).validate()
     handle = RolloutHandle(group, sampling, build(SyncConfig, r, timeout_s=cfg.trainer.timeout_s,
                                                      policy_dtype=cfg.policy.dtype), agent,
                            colocated=pool is not None)
-    if r.openai_agent:
+    if r.openai_agent and not teacher:
         from rlhf.driver.rl.openai_agents import AgentRollout
 
         try:
@@ -341,6 +370,8 @@ class Roles:
     reward: RewardHandle
     reference: PolicyHandle | None = None
     critic: CriticHandle | None = None
+    teacher: PolicyHandle | None = None  # on-policy distillation (the `teacher` section)
+    teacher_rollout: RolloutHandle | None = None  # distillation on the teacher's samples (distill.mode=forward_kl)
     pool: Any = None  # the placement group colocated roles share (rollout.colocate_with), removed last
 
     @classmethod
@@ -362,9 +393,14 @@ class Roles:
         }
         if cfg.reward.judge.model_path:
             starts["judge"] = lambda: judge_group(cfg.reward.judge, cfg.trainer.timeout_s, run_dir / "logs")
-        if cfg.algorithm.kl_coef > 0 and cfg.reference.enabled:
+        if cfg.reference.enabled and needs_reference(cfg):
             starts["reference"] = lambda: PolicyHandle(role_group("reference", cfg.reference, cfg, run_dir,
                                                                   ReferenceWorker), temp)
+        if cfg.teacher.enabled and cfg.algorithm.distill.mode == "forward_kl":  # the teacher samples
+            starts["teacher_rollout"] = lambda: _rollout_handle(cfg, run_dir, temp, teacher=True)
+        elif cfg.teacher.enabled:  # the teacher scores the student's samples
+            starts["teacher"] = lambda: PolicyHandle(role_group("teacher", cfg.teacher, cfg, run_dir, ReferenceWorker),
+                                                     temp)
         if cfg.critic.enabled:
             starts["critic"] = lambda: CriticHandle(role_group("critic", cfg.critic, cfg, run_dir, CriticWorker))
         if cfg.reward.model_path:  # the config is left as saved: reward.model_path is passed, not written
@@ -397,7 +433,8 @@ class Roles:
     def all(self) -> list[Any]:
         """Every handle that holds workers (the reward only when it is a reward-model group)."""
         reward = self.reward if self.reward.model_group is not None else None
-        return [h for h in (self.policy, self.reference, self.critic, reward, self.rollout) if h is not None]
+        return [h for h in (self.policy, self.reference, self.teacher, self.critic, reward, self.rollout,
+                            self.teacher_rollout) if h is not None]
 
     def shutdown(self) -> None:
         reward = [] if self.reward.model_group is not None else [self.reward]  # its processes, if any

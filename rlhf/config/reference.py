@@ -30,7 +30,7 @@ from rlhf.config.schema import RunConfig
 from rlhf.generated_page import page_main
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "reference" / "config.md"
-ROLES = ("policy", "reference", "critic", "reward_model")
+ROLES = ("policy", "reference", "critic", "reward_model", "teacher")
 ROLE = "<role>"
 
 

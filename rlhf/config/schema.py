@@ -200,6 +200,26 @@ class DPOConfig(PreferenceLossConfig):
 
 
 @dataclass
+class DistillConfig:
+    """On-policy distillation, on when the `teacher` role is enabled (``algorithms/distill.py``): the teacher
+    scores the student's own samples, and each response token's advantage becomes
+    reward_weight x the task reward's advantage + kl_coef x (log p_teacher - log p_student), the negative
+    per-token reverse KL to the teacher. reward_weight 0: pure distillation (the task reward is only logged).
+
+    mode forward_kl (GKD's supervised case, sequence-level KD): a second rollout engine serves the teacher, and
+    the student takes an LM step on the teacher's samples (their response tokens), the sampled estimate of the
+    forward KL(teacher || student) up to the teacher's entropy; kl_coef and reward_weight do not apply there."""
+
+    mode: str = "reverse_kl"  # reverse_kl: on the student's samples (on-policy) | forward_kl: on the teacher's
+    kl_coef: float = 1.0
+    reward_weight: float = 0.0
+
+
+# the algorithms that run the RL loop (rollout engines, rewards, weight sync): `run_rl`
+RL_ALGORITHMS = ("grpo", "ppo", "online_dpo")
+
+
+@dataclass
 class AlgorithmConfig(PPOLossConfig, ValueLossConfig):
     """The training algorithm and its RL math (``algorithms/``).
 
@@ -223,7 +243,9 @@ class AlgorithmConfig(PPOLossConfig, ValueLossConfig):
     ``norm_by_std``.
     """
 
-    name: str = "grpo"  # grpo | ppo | sft | pretrain | dpo | rm (a reward model on preference pairs)
+    # grpo | ppo | online_dpo (DPO on the best-vs-worst of the policy's own samples) | sft | pretrain | dpo | rm
+    # (a reward model on preference pairs)
+    name: str = "grpo"
     adv_estimator: str = "grpo"
     norm_by_std: bool = True  # grpo: divide by the group std (false: Dr. GRPO)
     gamma: float = 1.0
@@ -249,6 +271,7 @@ class AlgorithmConfig(PPOLossConfig, ValueLossConfig):
     # they still count in their group's advantage baseline)
     overlong_filter: bool = False
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
 
 @dataclass
@@ -304,6 +327,9 @@ class RunConfig:
     reference: RoleConfig = field(default_factory=RoleConfig)
     critic: RoleConfig = field(default_factory=lambda: RoleConfig(enabled=False))
     reward_model: RoleConfig = field(default_factory=lambda: RoleConfig(enabled=False))
+    # on-policy distillation (algorithm.distill): a frozen teacher, `teacher.model_path` (an HF folder with the
+    # policy's tokenizer; any size or family), run as a Megatron group like the reference
+    teacher: RoleConfig = field(default_factory=lambda: RoleConfig(enabled=False))
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(n=8))
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)

@@ -31,7 +31,7 @@ from algorithms import (
     preset_mismatches,
 )
 from algorithms.judge_verdicts import choice_key_error, template_fields
-from rlhf.config.schema import RewardConfig, RoleConfig, RunConfig, TrainerConfig
+from rlhf.config.schema import RL_ALGORITHMS, RewardConfig, RoleConfig, RunConfig, TrainerConfig
 from rlhf.errors import ConfigError
 from rlhf.model_config import read_config_json
 from workers.dtypes import DTYPE_NAMES
@@ -42,7 +42,8 @@ from workers.roles.loss_config import OLD_LOGPROBS_SOURCES
 from workers.rollout.config import EngineOptions
 from workers.rollout.sampling import SamplingConfig
 
-ALGORITHMS = ("grpo", "ppo", "sft", "pretrain", "dpo", "rm")
+ALGORITHMS = (*RL_ALGORITHMS, "sft", "pretrain", "dpo", "rm")
+DISTILL_MODES = ("reverse_kl", "forward_kl")
 LM_STAGES = ("sft", "pretrain", "dpo", "rm")  # algorithm names trained by the LM runner (rlhf.driver.stages.lm)
 PAIR_STAGES = ("dpo", "rm")  # ... on preference pairs (rlhf.driver.stages.pairs)
 DPO_REFERENCES = ("precompute", "group")  # algorithm.dpo.reference
@@ -92,7 +93,7 @@ def _check_vision(cfg: RunConfig, shape: ModelShape) -> None:
     Megatron warm start."""
     if not shape.vision:
         return
-    for name in ("policy", "reference", "critic", "reward_model"):
+    for name in ("policy", "reference", "critic", "reward_model", "teacher"):
         cp = getattr(cfg, name).parallel.cp
         if cp > 1:
             raise ConfigError(f"{name}.parallel.cp={cp}: {shape.source} is a vision-language model, whose image "
@@ -105,10 +106,11 @@ def _check_vision(cfg: RunConfig, shape: ModelShape) -> None:
                           "a vision-language model warm-starts with the transformers loop (hf)")
 
 
-def model_shape(path: str | None, preset: str | None) -> ModelShape | None:
-    """Read the layer and head counts from an HF config.json, or from a tiny preset."""
+def model_shape(path: str | None, preset: str | None, field: str = "model.path") -> ModelShape | None:
+    """Read the layer and head counts from an HF config.json (`field` names the path in errors), or from a
+    tiny preset."""
     if path:
-        c: Any = read_config_json(Path(path), "model.path", ConfigError)
+        c: Any = read_config_json(Path(path), field, ConfigError)
         heads = c.get("num_attention_heads")
         return ModelShape(
             c.get("num_hidden_layers"), heads, c.get("num_key_value_heads", heads),
@@ -196,9 +198,47 @@ def _check_role(name: str, role: RoleConfig, shape: ModelShape | None) -> None:
     _check_experts(name, role, shape)
 
 
+def _check_teacher(cfg: RunConfig) -> None:
+    """On-policy distillation (`teacher`, `algorithm.distill`): the teacher's own folder and layout; its
+    tokenizer is compared with the policy's once the model exists (prepare.check_teacher)."""
+    t, d = cfg.teacher, cfg.algorithm.distill
+    if not t.enabled:
+        return
+    if cfg.algorithm.name not in ("grpo", "ppo"):
+        raise ConfigError(f"teacher.enabled=true: a teacher scores the student's sampled tokens in the RL step "
+                          f"(algorithm.name grpo or ppo), which algorithm.name={cfg.algorithm.name} does not take")
+    if not t.model_path:
+        raise ConfigError("teacher.model_path: on-policy distillation (teacher.enabled=true) needs the teacher's HF "
+                          "model folder (config.json, weights and the policy's tokenizer)")
+    _choice(d.mode, "algorithm.distill.mode", DISTILL_MODES)
+    if d.mode == "forward_kl" and cfg.algorithm.name != "grpo":
+        raise ConfigError(f"algorithm.distill.mode=forward_kl trains the student with the LM loss on the teacher's "
+                          f"samples: no advantages, so no critic or PPO update; use algorithm.name=grpo "
+                          f"(got {cfg.algorithm.name})")
+    if d.mode == "forward_kl" and (cfg.rollout.mode != "sync" or cfg.rollout.openai_agent):
+        what = f"rollout.mode={cfg.rollout.mode}" if cfg.rollout.mode != "sync" else "rollout.openai_agent"
+        raise ConfigError(f"algorithm.distill.mode=forward_kl samples from the teacher's engines; {what} schedules "
+                          "the student's, which only validate in this mode: use rollout.mode=sync without an agent")
+    _require(d.kl_coef >= 0, "algorithm.distill.kl_coef", "a weight >= 0", d.kl_coef)
+    _require(d.reward_weight >= 0, "algorithm.distill.reward_weight", "a weight >= 0", d.reward_weight)
+    if d.kl_coef == 0 and d.reward_weight == 0:
+        raise ConfigError("algorithm.distill: kl_coef=0 and reward_weight=0 leave every advantage 0, so nothing "
+                          "would train; set kl_coef > 0 (distil) or reward_weight > 0 (the task reward)")
+    check_teacher_layout(cfg)
+
+
+def check_teacher_layout(cfg: RunConfig) -> None:
+    """The teacher section's layout against the teacher's config.json, once the folder exists (it may be an
+    earlier run's export, written after this config was loaded: rlhf/driver/warmstart/prepare.py checks it
+    again, with the folder, before any worker starts)."""
+    path = cfg.teacher.model_path or ""
+    has_config = bool(path) and (Path(path) / "config.json").is_file()
+    _check_role("teacher", cfg.teacher, model_shape(path, None, "teacher.model_path") if has_config else None)
+
+
 def _check_lora(cfg: RunConfig) -> None:
     """`policy.lora` settings (rank, alpha, dropout, target names), and LoRA on the policy only."""
-    for name in ("reference", "critic", "reward_model"):
+    for name in ("reference", "critic", "reward_model", "teacher"):
         if getattr(cfg, name).lora is not None:
             raise ConfigError(f"{name}.lora: LoRA adapters train the policy only; remove {name}.lora")
     lora = cfg.policy.lora
@@ -306,7 +346,7 @@ def validate_config(cfg: RunConfig) -> None:
     _check_tools(cfg)
     _check_openai_agent(cfg)
     _choice(cfg.model.warm_start_backend, "model.warm_start_backend", ("hf", "megatron"))
-    if cfg.model.warm_start_backend == "megatron" and a.name not in ("grpo", "ppo"):
+    if cfg.model.warm_start_backend == "megatron" and a.name not in RL_ALGORITHMS:
         raise ConfigError(f"model.warm_start_backend=megatron: the Megatron warm start runs before RL (grpo, ppo); "
                           f"algorithm.name={a.name} uses the transformers one (hf)")
     target = cfg.model.warm_start_target_accuracy
@@ -324,12 +364,13 @@ def validate_config(cfg: RunConfig) -> None:
     if shape is None:
         raise ConfigError("model: expected model.path (an HF model folder) or model.preset (a tiny preset name)")
     roles = ["policy"]
-    if a.name in ("grpo", "ppo"):
+    if a.name in RL_ALGORITHMS:
         roles += [n for n in ("reference", "critic", "reward_model") if getattr(cfg, n).enabled]
     elif a.name == "dpo" and a.dpo.reference == "group" and a.dpo.loss not in REFERENCE_FREE_LOSSES:
         roles.append("reference")
     for name in roles:
         _check_role(name, getattr(cfg, name), shape)
+    _check_teacher(cfg)
     _check_routing_replay(cfg)
     _check_lora(cfg)
     _check_vision(cfg, shape)
@@ -421,6 +462,7 @@ def validate_config(cfg: RunConfig) -> None:
     _check_reward_services(rw)
     _check_rl_batches(cfg)
     _check_pipeline(cfg)
+    _check_online_dpo(cfg)
 
 
 def _check_reward_services(rw: RewardConfig) -> None:
@@ -548,7 +590,7 @@ def _check_routing_replay(cfg: RunConfig) -> None:
     """`policy.moe.routing_replay` replays what single-turn RL rollouts recorded."""
     if not cfg.policy.moe.routing_replay:
         return
-    if cfg.algorithm.name not in ("grpo", "ppo"):
+    if cfg.algorithm.name not in RL_ALGORITHMS:
         raise ConfigError(f"policy.moe.routing_replay: replays the routing of rollouts, and algorithm.name="
                           f"{cfg.algorithm.name} has none (grpo or ppo)")
     if cfg.rollout.tools or cfg.rollout.env:
@@ -639,7 +681,7 @@ def _check_eval(cfg: RunConfig) -> None:
              t.eval_limit)
     if not t.eval_every:
         return
-    if cfg.algorithm.name not in ("grpo", "ppo"):
+    if cfg.algorithm.name not in RL_ALGORITHMS:
         raise ConfigError(f"trainer.eval_every: evaluation during training runs on the RL rollout engine; "
                           f"algorithm.name={cfg.algorithm.name} has none (run `rlhf eval` on its checkpoint)")
     if not t.eval_tasks:
@@ -707,3 +749,31 @@ def _check_lm_stage(cfg: RunConfig) -> None:
         if getattr(t, flag) and not t.load:
             raise ConfigError(f"trainer.{flag} applies to trainer.load (a checkpoint to start from); "
                               "set trainer.load=DIR (--resume always loads everything)")
+
+
+# ---- online DPO (algorithm.name: online_dpo, rlhf.driver.rl.online_dpo) -----------------------------------------
+def _check_online_dpo(cfg: RunConfig) -> None:
+    """online_dpo pairs each prompt's best and worst sample and trains them with the DPO step's loss
+    (`algorithm.dpo`), whose reference is the RL `reference` role."""
+    if cfg.algorithm.name != "online_dpo":
+        return
+    o = cfg.algorithm.dpo
+    _require(cfg.rollout.n >= 2, "rollout.n", "an integer >= 2 (online_dpo pairs the best and the worst of each "
+             "prompt's samples; one sample per prompt makes no pair)", cfg.rollout.n)
+    _check_dpo(cfg)
+    if o.loss == "kto":
+        raise ConfigError("algorithm.dpo.loss=kto: online_dpo trains best-vs-worst pairs, and KTO's KL baseline "
+                          "needs mismatched prompt / answer rows that the online step does not build; use sigmoid, "
+                          "ipo, simpo or orpo")
+    if o.loss not in REFERENCE_FREE_LOSSES and not cfg.reference.enabled:
+        raise ConfigError(f"reference.enabled: algorithm.dpo.loss={o.loss} rewards each answer by its log-prob "
+                          f"ratio to a frozen copy of the starting policy, which online_dpo takes from the reference "
+                          f"role; set reference.enabled=true, or use a reference-free loss "
+                          f"({', '.join(REFERENCE_FREE_LOSSES)})")
+    if cfg.critic.enabled:
+        raise ConfigError("critic.enabled: online_dpo trains no value model (the pairs' preference replaces "
+                          "advantages); set critic.enabled=false")
+    shape = model_shape(cfg.model.path, cfg.model.preset)
+    if shape is not None and shape.vision:
+        raise ConfigError(f"algorithm.name=online_dpo: {shape.source} is a vision-language model, and the DPO step "
+                          "trains on token ids alone (no image inputs); use grpo or ppo")

@@ -7,7 +7,13 @@ warm start (the reward is the response's length, so the groups' advantages are n
 The old log-probs are recomputed, so each step also logs the engine's mismatch from the update (the objective
 path of algorithms/objectives/behaviour.py). Two mini-batches per step: the second optimizer step is off-policy
 (ratios away from 1), where the objectives differ. Each objective's rows carry its own metric (and none of
-the others'), which only its function produces."""
+the others'), which only its function produces.
+
+The same run distils: a `teacher` group scores every step's samples (on-policy distillation composes with every
+objective: it only changes the advantages). The teacher is the policy's own starting weights, which makes the
+first step exact: the teacher's log-prob of every sampled token equals the student's, so the reverse KL the
+teacher measures is 0; the task reward stays in (`algorithm.distill.reward_weight=1`), so the student moves
+and the KL grows."""
 
 from __future__ import annotations
 
@@ -41,18 +47,21 @@ def rotating_grpo_step(roles, ctx) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def rows_by_objective(tmp_path_factory) -> dict[str, list[dict]]:
+def run_rows(tmp_path_factory, tiny_model_factory) -> list[dict]:
     from rlhf.api import load_config, prepare_inputs, run_rl
 
     tmp = tmp_path_factory.mktemp("objectives")
     (tmp / "length_reward_obj.py").write_text("def length(prompt, response, ground_truth):\n"
                                               "    return float(len(response))\n")
     run = tmp / "run"
+    start = tiny_model_factory("arith-qwen2")
     cfg = load_config("configs/grpo_tiny.yaml", [
         *FAST, f"trainer.total_steps={2 * len(NAMES)}", "trainer.val_every=0", "trainer.save_every=0",
         "trainer.export_hf=false", "model.warm_start_steps=0", "data.prompts_per_step=2", "policy.micro_batch_size=4",
         "algorithm.old_logprobs=recompute", "algorithm.mini_batches=2",
         "policy.optim.lr=1e-3", "reward.fn=length_reward_obj:length", "reward.num_workers=1",
+        f"model.path={start}", "teacher.enabled=true", f"teacher.model_path={start}",
+        "teacher.resources.num_cpus_per_worker=0.5", "algorithm.distill.reward_weight=1.0",
         f"trainer.output_dir={run}"])
     sys.path.insert(0, str(tmp))  # the reward module (the reward workers get the driver's sys.path)
     importlib.invalidate_caches()
@@ -62,12 +71,17 @@ def rows_by_objective(tmp_path_factory) -> dict[str, list[dict]]:
     finally:
         sys.path.remove(str(tmp))
         sys.modules.pop("length_reward_obj", None)
+    rows = [row for row in metrics(run) if row["step"] > 0]
+    print(f"objectives run: {time.perf_counter() - t0:.1f} s, of which {len(rows)} steps "
+          f"{sum(row['step_time_s'] for row in rows):.1f} s")
+    return rows
+
+
+@pytest.fixture(scope="module")
+def rows_by_objective(run_rows) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {name: [] for name in NAMES}
-    for row in metrics(run):
-        if row["step"] > 0:
-            out[NAMES[int(row["objective_index"])]].append(row)
-    steps = sum(row["step_time_s"] for rows in out.values() for row in rows)
-    print(f"objectives run: {time.perf_counter() - t0:.1f} s, of which {len(NAMES) * 2} steps {steps:.1f} s")
+    for row in run_rows:
+        out[NAMES[int(row["objective_index"])]].append(row)
     return out
 
 
@@ -96,3 +110,25 @@ def test_objective_takes_two_grpo_steps(rows_by_objective, name):
             assert 0 <= value <= 1, row
     assert any(abs(row["ratio_max"] - 1) > 1e-4 for row in rows), rows  # the second mini-batch is off-policy
 
+
+
+def test_every_step_is_scored_by_the_teacher(run_rows):
+    assert [row["step"] for row in run_rows] == list(range(1, 2 * len(NAMES) + 1))
+    for row in run_rows:
+        assert row["time/teacher"] > 0, row
+        for key in ("distill/teacher_kl", "distill/advantage_mean", "distill/top1_agreement"):
+            assert math.isfinite(row[key]), (key, row)
+        assert row["distill/teacher_logprob_mean"] < 0, row
+
+
+def test_a_teacher_equal_to_the_student_agrees_exactly_at_the_first_step(run_rows):
+    """Step 1's teacher pass sees the student's own weights: a KL of 0 (the same model, the same tokens). Its
+    update's first mini-batch too (every greedy pick agrees), so the agreement averaged over both is >= 1/2."""
+    first = run_rows[0]
+    assert first["distill/teacher_kl"] == 0.0, first
+    assert first["distill/top1_agreement"] >= 0.5, first
+
+
+def test_the_student_moves_away_from_the_teacher(run_rows):
+    assert max(abs(row["distill/teacher_kl"]) for row in run_rows[1:]) > 1e-3, run_rows
+    assert any(row["distill/top1_agreement"] < 1.0 for row in run_rows[1:]), run_rows

@@ -59,9 +59,9 @@ def micro_counts(batch) -> list[int]:
     return [len(response_micros(args[0], 1, [], torch.device("cpu"), pack="prefix")) for args, _ in shards]
 
 
-def hf_logprobs(model_path: str, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
-    """Response log-probs from a plain transformers fp32 forward (position ids from the mask), of the
-    logits divided by `temperature`."""
+def hf_response_logits(model_path: str, batch: Batch) -> torch.Tensor:
+    """The logits [B, R, V] that predict each response token, from a plain transformers fp32 forward
+    (position ids from the mask)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
@@ -69,5 +69,11 @@ def hf_logprobs(model_path: str, batch: Batch, temperature: float = 1.0) -> torc
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp_min(0)).logits
     r = batch["responses"].shape[1]
-    lp = torch.log_softmax(logits[:, -r - 1:-1].float() / temperature, -1).gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+    return logits[:, -r - 1:-1].float()
+
+
+def hf_logprobs(model_path: str, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+    """Response log-probs from a plain transformers fp32 forward, of the logits divided by `temperature`."""
+    logits = hf_response_logits(model_path, batch)
+    lp = torch.log_softmax(logits / temperature, -1).gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
     return lp * batch["response_mask"]

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from tests.helpers.batches import hf_logprobs, make_rl_batch
+from tests.helpers.batches import hf_logprobs, hf_response_logits, make_rl_batch
 from tests.helpers.layouts import ray_groups
 from workers.group import WorkerDiedError, WorkerGroup
 from workers.roles import PolicyWorker, fetch_state_dict
@@ -59,6 +59,18 @@ def test_logprobs_at_the_sampling_temperature(env):
     for name in ("tp1", "tp2"):
         out = env["groups"][name].compute_logprobs(batch, temperature=0.7)
         assert (out["logprobs"] - ref).abs().max() < 1e-4, name
+
+
+def test_greedy_token_ids_match_transformers_across_layouts(env):
+    """`top1_key` (a distillation teacher's greedy picks): each response position's argmax over the whole
+    vocabulary, the same at TP=2 (each rank holds half the vocab) and PP=2 as in transformers."""
+    batch = make_rl_batch(n=6, seed=4)
+    mask = batch["response_mask"].bool()
+    ref = hf_response_logits(env["path"], batch).argmax(-1)
+    assert ref[mask].unique().numel() > 1  # positions pick different tokens: an id mix-up would show
+    for name in ("tp1", "tp2", "pp2"):
+        out = env["groups"][name].compute_logprobs(batch, temperature=0.7, top1_key="top1")
+        assert torch.equal(out["top1"].long()[mask], ref[mask]), name
 
 
 def test_async_call(env):

@@ -69,3 +69,25 @@ def vocab_parallel_greedy_hits(logits: torch.Tensor, labels: torch.Tensor, vocab
         torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
         torch.distributed.all_reduce(picked, op=torch.distributed.ReduceOp.MAX, group=group)
     return picked >= m
+
+
+def vocab_parallel_argmax(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Long [...]: the vocab id with the largest logit (the greedy pick), over every TP rank's slice; on a tie
+    the largest id. Padded vocab columns never win. No gradient."""
+    rank, world, group = tp_layout()
+    v_local = logits.shape[-1]
+    start = rank * v_local
+    z = logits.detach().float()
+    n_real = vocab_size - start
+    if n_real < v_local:
+        z = z.masked_fill(torch.arange(v_local, device=z.device) >= max(n_real, 0), float("-inf"))
+    local_max = z.max(dim=-1).values
+    # the largest id among the local maxima: flip, take the first, flip back
+    local_id = v_local - 1 - z.flip(-1).argmax(dim=-1) + start
+    if world == 1:
+        return local_id
+    m = local_max.clone()
+    torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
+    ids = torch.where(local_max >= m, local_id, torch.full_like(local_id, -1))
+    torch.distributed.all_reduce(ids, op=torch.distributed.ReduceOp.MAX, group=group)
+    return ids

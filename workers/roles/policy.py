@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from algorithms.distill import top1_agreement
 from algorithms.objectives import BEHAVIOUR_MAX_METRICS, ObjectiveInputs, behaviour_mask, objective_loss
 from workers.batch import Batch
 from workers.config import build
@@ -20,7 +21,7 @@ from workers.megatron.engine import Micro
 from workers.roles.base import MegatronWorker
 from workers.roles.dpo_step import PreferenceMixin
 from workers.roles.lm import LMMixin
-from workers.roles.logits import vocab_parallel_logprobs
+from workers.roles.logits import vocab_parallel_argmax, vocab_parallel_logprobs
 from workers.roles.loss_config import PPOLossConfig
 from workers.roles.micro import forward_responses
 from workers.roles.optimize import Metrics, optimize_responses
@@ -33,12 +34,16 @@ class LogprobMixin:
     """`compute_logprobs` for the policy and the reference."""
 
     def _logprob_pass(self, batch: Batch, with_entropy: bool, key: str, micro_batch_size: int | None,
-                      temperature: float = 1.0) -> Batch:
+                      temperature: float = 1.0, top1_key: str | None = None) -> Batch:
+        """`key` [B, R] (and `entropy`; with `top1_key`, each position's greedy token id there, as float)."""
         def outputs(sl: torch.Tensor, mb: Micro) -> dict[str, torch.Tensor]:
             labels = mb.fields["responses"][:, : sl.shape[1]]
             logp, ent = vocab_parallel_logprobs(scale_logits(sl, temperature), labels, self.engine.vocab_size,
                                                 with_entropy)
-            return {key: logp, "entropy": ent} if with_entropy else {key: logp}
+            out = {key: logp, "entropy": ent} if with_entropy else {key: logp}
+            if top1_key:
+                out[top1_key] = vocab_parallel_argmax(sl, self.engine.vocab_size)
+            return out
 
         return forward_responses(self, batch, micro_batch_size, outputs)
 
@@ -48,10 +53,12 @@ class PolicyWorker(RolloutSyncMixin, LogprobMixin, LMMixin, PreferenceMixin, Meg
 
     @register(DP_COMPUTE)
     def compute_logprobs(self, batch: Batch, with_entropy: bool = False, key: str = "logprobs",
-                         micro_batch_size: int | None = None, temperature: float = 1.0) -> Batch:
+                         micro_batch_size: int | None = None, temperature: float = 1.0,
+                         top1_key: str | None = None) -> Batch:
         """Per-token log-probs [B, R] of the responses under `key` (and `entropy` [B, R] when asked) of
-        the logits divided by `temperature` (the sampling distribution); 0 at padding positions."""
-        return self._logprob_pass(batch, with_entropy, key, micro_batch_size, temperature)
+        the logits divided by `temperature` (the sampling distribution); 0 at padding positions. With
+        `top1_key`, the greedy token id at each response position under it."""
+        return self._logprob_pass(batch, with_entropy, key, micro_batch_size, temperature, top1_key)
 
     @register(DP_COMPUTE, pad=False, split=split_by_minibatch())
     def train_step(self, batch: Batch, loss_config: dict[str, Any] | PPOLossConfig | None = None,
@@ -80,9 +87,12 @@ class PolicyWorker(RolloutSyncMixin, LogprobMixin, LMMixin, PreferenceMixin, Meg
                                             entropy_coef=cfg.entropy_coef, ref_logp=ref, kl_coef=cfg.kl_coef,
                                             kl_kind=cfg.kl_kind)
             record_metrics(acc, parts, m, float(mask.sum()))
+            if "teacher_top1" in f:  # on-policy distillation: how often the student's greedy pick is the teacher's
+                agree = top1_agreement(vocab_parallel_argmax(sl, vocab), f["teacher_top1"].long(), mask)
+                acc.add_mean({"distill/top1_agreement": agree}, weight=float(mask.sum()))
             return loss
 
-        keys = ["advantages", "ref_logprobs"]
+        keys = ["advantages", "ref_logprobs", "teacher_top1"]
         if cfg.old_logprobs != "in_update":
             keys.append("old_logprobs")
         if cfg.old_logprobs != "rollout":  # there the engine's log-probs are the old ones: nothing to compare

@@ -7,6 +7,7 @@ import torch
 from algorithms import (
     apply_kl_penalty,
     compute_advantages,
+    distill_advantages,
     kl_estimate,
     masked_mean,
     overlong_keep,
@@ -55,7 +56,9 @@ def add_advantages(batch: Batch, algo: AlgorithmConfig, kl_coef: float,
                    max_tokens: int | None = None) -> tuple[Batch, dict[str, float]]:
     """Add `token_level_rewards`, `advantages` and `returns` [B, R] to the batch; return KL metrics. With
     `max_tokens` (rollout.max_tokens) the rewards carry DAPO's overlong penalty; overlong filtering narrows
-    the response mask after the advantages (a filtered sample still counts in its group's baseline)."""
+    the response mask after the advantages (a filtered sample still counts in its group's baseline). With a
+    teacher's `teacher_logprobs` (on-policy distillation) the advantages are `algorithms.distill_advantages`
+    of the task's."""
     mask = batch["response_mask"].float()
     scores, metrics = overlong_shaped_scores(batch, algo, max_tokens)
     rewards = token_level_scores(batch, scores)
@@ -77,6 +80,11 @@ def add_advantages(batch: Batch, algo: AlgorithmConfig, kl_coef: float,
         lam=algo.lam,
         norm_by_std=algo.norm_by_std,
     )
+    if "teacher_logprobs" in batch:  # on-policy distillation: the per-token reverse KL to the teacher
+        student = batch["old_logprobs"] if "old_logprobs" in batch else batch["rollout_logprobs"]
+        adv, distilled = distill_advantages(adv, student, batch["teacher_logprobs"], mask, algo.distill.kl_coef,
+                                            algo.distill.reward_weight)
+        metrics.update(distilled)
     batch["token_level_rewards"], batch["advantages"], batch["returns"] = rewards, adv, ret
     metrics["advantage_abs_mean"] = float(masked_mean(adv.abs(), mask))
     metrics.update(filter_overlong(batch, algo))

@@ -87,13 +87,17 @@ def whole_groups_dividing(batch: Batch, divisor: int) -> Batch:
 
 
 def add_logprobs(roles: Roles, batch: Batch, ctx: StepContext) -> Batch:
-    """The reference's logprobs (when there is one) and the behaviour policy's: recomputed by the policy, the
+    """The reference's logprobs (when there is one), a distillation teacher's (and its greedy picks), and the
+    behaviour policy's: recomputed by the policy, the
     engine's sampled-token logprobs, or none yet (`in_update`: the policy's update takes its own). The update
     compares them with the engine's (`mismatch/*`) and applies the off-policy correction
     (algorithms/objectives/behaviour.py); a recomputing pass also logs the MoE routing mismatch here."""
     if roles.reference is not None:
         with ctx.phase("reference"):
             batch = roles.reference.logprobs(batch, key="ref_logprobs")
+    if roles.teacher is not None:  # on-policy distillation: the teacher scores the student's own tokens
+        with ctx.phase("teacher"):
+            batch = roles.teacher.logprobs(batch, key="teacher_logprobs", top1="teacher_top1")
     if ctx.cfg.algorithm.old_logprobs == "rollout":
         batch["old_logprobs"] = batch["rollout_logprobs"]
         return batch

@@ -80,6 +80,14 @@ def default_step_fn(cfg: RunConfig) -> StepFn:
         from rlhf.driver.rl.ppo import ppo_step
 
         return ppo_step
+    if cfg.algorithm.name == "online_dpo":
+        from rlhf.driver.rl.online_dpo import online_dpo_step
+
+        return online_dpo_step
+    if cfg.teacher.enabled and cfg.algorithm.distill.mode == "forward_kl":
+        from rlhf.driver.rl.distill import forward_kl_step
+
+        return forward_kl_step
     from rlhf.driver.rl.grpo import grpo_step
 
     return grpo_step
@@ -119,7 +127,7 @@ FRESH_START = ("start a new run from its policy weights: rlhf convert mcore-to-h
 
 
 def run_rl(cfg: RunConfig, step_fn: StepFn | None = None) -> dict[str, float]:
-    """Train with `step_fn` (GRPO or PPO by default) and return the last metrics row."""
+    """Train with `step_fn` (by default GRPO, PPO or online DPO, `default_step_fn`) and return the last metrics row."""
     from rlhf.data.prompts import PromptLoader
     from rlhf.driver.warmstart.prepare import load_rl_prompts, megatron_warm_start_due, warm_start_items
 

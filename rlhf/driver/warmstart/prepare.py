@@ -18,8 +18,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlhf.config.schema import RunConfig
-from rlhf.config.validate import PAIR_STAGES
+from rlhf.config.schema import RL_ALGORITHMS, RunConfig
+from rlhf.config.validate import PAIR_STAGES, check_teacher_layout
 from rlhf.errors import ConfigError
 from workers.rollout.config import is_vision_language
 
@@ -65,7 +65,7 @@ def _task_data(cfg: RunConfig, out: Path) -> None:
                                   random_share=0.5 if name == "rm" else 0.0)
         d.train_file, d.val_file = str(data_dir / f"{name}_train.jsonl"), str(data_dir / f"{name}_val.jsonl")
         d.val_size = 0
-    elif cfg.algorithm.name in ("grpo", "ppo"):
+    elif cfg.algorithm.name in RL_ALGORITHMS:
         d.train_file, d.val_file, d.val_size = str(data_dir / rl_train), str(data_dir / rl_val), 0
     elif cfg.algorithm.name == "sft":
         d.train_file, d.val_file = str(data_dir / "sft_train.jsonl"), str(data_dir / "sft_val.jsonl")
@@ -102,11 +102,11 @@ def _model(cfg: RunConfig, out: Path) -> None:
         shutil.rmtree(base, ignore_errors=True)
         create_tiny_model(m.preset, base, seed=cfg.trainer.seed)
     m.path = str(base)
-    if m.warm_start_steps > 0 and m.warm_start_backend == "megatron" and cfg.algorithm.name in ("grpo", "ppo"):
+    if m.warm_start_steps > 0 and m.warm_start_backend == "megatron" and cfg.algorithm.name in RL_ALGORITHMS:
         if not cfg.data.task:
             raise ConfigError("model.warm_start_steps needs data.task (the task's Q/A pairs to fine-tune on)")
         return  # run_rl trains it once Ray is up (rlhf.driver.warmstart.megatron_sft)
-    if m.warm_start_steps > 0 and cfg.algorithm.name in ("grpo", "ppo", *PAIR_STAGES):
+    if m.warm_start_steps > 0 and cfg.algorithm.name in (*RL_ALGORITHMS, *PAIR_STAGES):
         warm = out / "model" / f"warm_start_{m.warm_start_steps}"
         if not (warm / "model.safetensors").is_file():
             if not cfg.data.task:
@@ -143,10 +143,37 @@ def check_tokenizer(cfg: RunConfig) -> None:
         raise ConfigError(f"{field}: {e}") from None
 
 
+def check_teacher(cfg: RunConfig) -> None:
+    """On-policy distillation compares the teacher's log-prob of each token the student sampled, so the two
+    must share one tokenizer: the same token for the same id. The teacher's folder (its weights' headers, its
+    tokenizer) is checked before any worker starts; a vocabulary that differs is one line naming a token."""
+    from rlhf.data.tokenizer import load_tokenizer
+    from rlhf.errors import UserError
+    from workers.megatron.hf_weights import HFTensorSource
+
+    path = cfg.teacher.model_path or ""
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"teacher.model_path: {path} is not an HF model folder (no config.json); a teacher is an "
+                          "HF export, e.g. the <output_dir>/hf of an earlier run")
+    check_teacher_layout(cfg)
+    try:
+        HFTensorSource(path).close()
+        teacher = load_tokenizer(path).get_vocab()
+    except (UserError, ValueError, OSError) as e:
+        raise ConfigError(f"teacher.model_path: {e}") from None
+    student = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path).get_vocab()
+    if teacher != student:
+        diff = sorted(set(teacher.items()) ^ set(student.items()))
+        tok, idx = diff[0]
+        raise ConfigError(f"teacher.model_path: the teacher's tokenizer ({len(teacher)} tokens) is not the policy's "
+                          f"({len(student)} tokens; e.g. {tok!r} -> {idx} in one of them only): distillation compares "
+                          "log-probs of the same token ids, so the teacher needs the policy's tokenizer")
+
+
 def megatron_warm_start_due(cfg: RunConfig, out: Path) -> bool:
     """Whether the RL runner warm-starts the tiny preset model on the Megatron backend (see `_model`)."""
     m = cfg.model
-    return (m.warm_start_steps > 0 and m.warm_start_backend == "megatron" and cfg.algorithm.name in ("grpo", "ppo")
+    return (m.warm_start_steps > 0 and m.warm_start_backend == "megatron" and cfg.algorithm.name in RL_ALGORITHMS
             and m.preset is not None and Path(m.path or "") == out / "model" / "init")
 
 
@@ -263,7 +290,7 @@ def prepare_inputs(cfg: RunConfig) -> RunConfig:
     """Generate or check the run's inputs in place and return `cfg`; raise UserError on bad input."""
     out = Path(cfg.trainer.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rl = cfg.algorithm.name in ("grpo", "ppo")
+    rl = cfg.algorithm.name in RL_ALGORITHMS
     if cfg.data.task and not cfg.data.train_file:
         _task_data(cfg, out)
     if rl:
@@ -294,6 +321,8 @@ def prepare_inputs(cfg: RunConfig) -> RunConfig:
     _model(cfg, out)
     if rl:  # after _model: prompt lengths are counted with the model's tokenizer and chat template
         load_rl_prompts(cfg, report=False)
+        if cfg.teacher.enabled:
+            check_teacher(cfg)
     if cfg.algorithm.name == "pretrain" and cfg.data.task and cfg.data.data_prefix:
         _pretrain_index(cfg, out)
     return cfg

@@ -61,3 +61,20 @@ def test_top1_agreement_counts_masked_positions_only():
     b = torch.tensor([[1, 0, 3], [4, 0, 0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
     assert float(top1_agreement(a, b, mask)) == pytest.approx(3 / 4)
+
+
+def test_the_baseline_centres_the_distillation_term_over_the_masked_tokens():
+    g = torch.Generator().manual_seed(1)
+    s, q = torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0]])
+    plain, _ = distill_advantages(torch.zeros(3, 4), s, q, mask)
+    centred, m = distill_advantages(torch.zeros(3, 4), s, q, mask, baseline=True)
+    gaps = [float(q[i, t] - s[i, t]) for i in range(3) for t in range(4) if mask[i, t]]
+    mean = sum(gaps) / len(gaps)
+    for i in range(3):
+        for t in range(4):
+            want = float(q[i, t] - s[i, t]) - mean if mask[i, t] else 0.0
+            assert float(centred[i, t]) == pytest.approx(want, abs=1e-6)
+    assert float(centred[mask.bool()].sum()) == pytest.approx(0.0, abs=1e-5)
+    assert m["distill/teacher_kl"] == pytest.approx(-mean, abs=1e-6)  # the KL metric is the same either way
+    assert not torch.allclose(plain, centred)

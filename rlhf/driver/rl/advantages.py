@@ -83,7 +83,7 @@ def add_advantages(batch: Batch, algo: AlgorithmConfig, kl_coef: float,
     if "teacher_logprobs" in batch:  # on-policy distillation: the per-token reverse KL to the teacher
         student = batch["old_logprobs"] if "old_logprobs" in batch else batch["rollout_logprobs"]
         adv, distilled = distill_advantages(adv, student, batch["teacher_logprobs"], mask, algo.distill.kl_coef,
-                                            algo.distill.reward_weight)
+                                            algo.distill.reward_weight, algo.distill.baseline)
         metrics.update(distilled)
     batch["token_level_rewards"], batch["advantages"], batch["returns"] = rewards, adv, ret
     metrics["advantage_abs_mean"] = float(masked_mean(adv.abs(), mask))

@@ -17,16 +17,13 @@ and the KL grows."""
 
 from __future__ import annotations
 
-import importlib
 import math
-import sys
-import time
 
 import pytest
 
 from algorithms import list_objectives
 from tests.helpers.cli import FAST
-from tests.helpers.runs import metrics
+from tests.helpers.runs import run_rl_rows
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -48,33 +45,14 @@ def rotating_grpo_step(roles, ctx) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def run_rows(tmp_path_factory, tiny_model_factory) -> list[dict]:
-    from rlhf.api import load_config, prepare_inputs, run_rl
-
-    tmp = tmp_path_factory.mktemp("objectives")
-    (tmp / "length_reward_obj.py").write_text("def length(prompt, response, ground_truth):\n"
-                                              "    return float(len(response))\n")
-    run = tmp / "run"
     start = tiny_model_factory("arith-qwen2")
-    cfg = load_config("configs/grpo_tiny.yaml", [
+    return run_rl_rows("configs/grpo_tiny.yaml", [
         *FAST, f"trainer.total_steps={2 * len(NAMES)}", "trainer.val_every=0", "trainer.save_every=0",
         "trainer.export_hf=false", "model.warm_start_steps=0", "data.prompts_per_step=2", "policy.micro_batch_size=4",
-        "algorithm.old_logprobs=recompute", "algorithm.mini_batches=2",
-        "policy.optim.lr=1e-3", "reward.fn=length_reward_obj:length", "reward.num_workers=1",
+        "algorithm.old_logprobs=recompute", "algorithm.mini_batches=2", "policy.optim.lr=1e-3",
         f"model.path={start}", "teacher.enabled=true", f"teacher.model_path={start}",
-        "teacher.resources.num_cpus_per_worker=0.5", "algorithm.distill.reward_weight=1.0",
-        f"trainer.output_dir={run}"])
-    sys.path.insert(0, str(tmp))  # the reward module (the reward workers get the driver's sys.path)
-    importlib.invalidate_caches()
-    t0 = time.perf_counter()
-    try:
-        run_rl(prepare_inputs(cfg), step_fn=rotating_grpo_step)
-    finally:
-        sys.path.remove(str(tmp))
-        sys.modules.pop("length_reward_obj", None)
-    rows = [row for row in metrics(run) if row["step"] > 0]
-    print(f"objectives run: {time.perf_counter() - t0:.1f} s, of which {len(rows)} steps "
-          f"{sum(row['step_time_s'] for row in rows):.1f} s")
-    return rows
+        "teacher.resources.num_cpus_per_worker=0.5", "algorithm.distill.reward_weight=1.0"],
+        tmp_path_factory.mktemp("objectives"), "length_reward_obj", step_fn=rotating_grpo_step)
 
 
 @pytest.fixture(scope="module")

@@ -9,15 +9,12 @@ moved, in the loss's direction), besides the logged metrics."""
 
 from __future__ import annotations
 
-import importlib
 import math
-import sys
-import time
 
 import pytest
 
 from tests.helpers.cli import FAST
-from tests.helpers.runs import metrics
+from tests.helpers.runs import run_rl_rows
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -46,27 +43,11 @@ def watched_step(roles, ctx) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory) -> list[dict]:
-    from rlhf.api import load_config, prepare_inputs, run_rl
-
-    tmp = tmp_path_factory.mktemp("online_dpo")
-    (tmp / "length_reward_odpo.py").write_text("def length(prompt, response, ground_truth):\n"
-                                               "    return float(len(response))\n")
-    run = tmp / "run"
-    cfg = load_config("configs/online_dpo_tiny.yaml", [
+    return run_rl_rows("configs/online_dpo_tiny.yaml", [
         *FAST, "trainer.total_steps=2", "trainer.val_every=0", "trainer.save_every=0", "trainer.export_hf=false",
         "model.warm_start_steps=0", "data.prompts_per_step=4", "rollout.n=4", "policy.micro_batch_size=4",
-        "reference.micro_batch_size=4", "policy.optim.lr=1e-3", "reward.fn=length_reward_odpo:length",
-        "reward.num_workers=1", f"trainer.output_dir={run}"])
-    sys.path.insert(0, str(tmp))  # the reward module (the reward workers get the driver's sys.path)
-    importlib.invalidate_caches()
-    t0 = time.perf_counter()
-    try:
-        run_rl(prepare_inputs(cfg), step_fn=watched_step)
-    finally:
-        sys.path.remove(str(tmp))
-        sys.modules.pop("length_reward_odpo", None)
-    print(f"online DPO run: {time.perf_counter() - t0:.1f} s")
-    return [row for row in metrics(run) if row["step"] > 0]
+        "reference.micro_batch_size=4", "policy.optim.lr=1e-3"], tmp_path_factory.mktemp("online_dpo"),
+        "length_reward_odpo", step_fn=watched_step)
 
 
 def test_two_online_dpo_steps(rows):

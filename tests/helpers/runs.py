@@ -44,3 +44,35 @@ def wait_for(what: str, check: Callable[[], Any], proc: subprocess.Popen, err_fi
             pytest.fail(f"waited {timeout_s:g}s for {what}; the run's stderr ends:\n" + err_file.read_text()[-3000:])
         time.sleep(0.2)
     return value
+
+
+LENGTH_REWARD = "def length(prompt, response, ground_truth):\n    return float(len(response))\n"
+
+
+def run_rl_rows(cfg_path: str, overrides: list[str], tmp: Path, reward_module: str,
+                step_fn: Callable | None = None) -> list[dict[str, Any]]:
+    """`run_rl` in this process (the shared Ray must be up) on `cfg_path` with `overrides`, scored by the
+    response's length in characters (a reward that varies on an untrained model) from a module named
+    `reward_module` written to `tmp` (the reward workers get the driver's sys.path); the rows of steps >= 1.
+    The run folder is tmp/run."""
+    import importlib
+    import sys
+
+    from rlhf.api import load_config, prepare_inputs, run_rl
+
+    (tmp / f"{reward_module}.py").write_text(LENGTH_REWARD)
+    run = tmp / "run"
+    cfg = load_config(cfg_path, [*overrides, f"reward.fn={reward_module}:length", "reward.num_workers=1",
+                                 f"trainer.output_dir={run}"])
+    sys.path.insert(0, str(tmp))
+    importlib.invalidate_caches()
+    t0 = time.perf_counter()
+    try:
+        run_rl(prepare_inputs(cfg), step_fn=step_fn)
+    finally:
+        sys.path.remove(str(tmp))
+        sys.modules.pop(reward_module, None)
+    rows = [row for row in metrics(run) if row["step"] > 0]
+    print(f"{cfg_path} run: {time.perf_counter() - t0:.1f} s, of which {len(rows)} steps "
+          f"{sum(row['step_time_s'] for row in rows):.1f} s")
+    return rows

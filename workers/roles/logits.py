@@ -8,6 +8,8 @@ so gradients are right on every rank. With TP=1 this is plain log-softmax arithm
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from workers.megatron.dist_setup import tp_layout
@@ -51,9 +53,9 @@ def vocab_parallel_logprobs(
     return logp, entropy
 
 
-def vocab_parallel_greedy_hits(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Bool [...]: True where labels[...] has the largest logit, i.e. is what greedy decoding picks there
-    (a tie counts as a hit). No gradient."""
+def _real_vocab_slice(logits: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, int, int, Any]:
+    """(this TP rank's logits as float32 without gradient, the padded vocab columns at -inf; the slice's first
+    vocab id; the TP world size; the TP group)."""
     rank, world, group = tp_layout()
     v_local = logits.shape[-1]
     start = rank * v_local
@@ -61,6 +63,14 @@ def vocab_parallel_greedy_hits(logits: torch.Tensor, labels: torch.Tensor, vocab
     n_real = vocab_size - start
     if n_real < v_local:
         z = z.masked_fill(torch.arange(v_local, device=z.device) >= max(n_real, 0), float("-inf"))
+    return z, start, world, group
+
+
+def vocab_parallel_greedy_hits(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bool [...]: True where labels[...] has the largest logit, i.e. is what greedy decoding picks there
+    (a tie counts as a hit). No gradient."""
+    z, start, world, group = _real_vocab_slice(logits, vocab_size)
+    v_local = z.shape[-1]
     m = z.max(dim=-1).values
     in_shard = (labels >= start) & (labels < start + v_local)
     idx = (labels - start).clamp(0, v_local - 1).long()
@@ -74,13 +84,8 @@ def vocab_parallel_greedy_hits(logits: torch.Tensor, labels: torch.Tensor, vocab
 def vocab_parallel_argmax(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Long [...]: the vocab id with the largest logit (the greedy pick), over every TP rank's slice; on a tie
     the largest id. Padded vocab columns never win. No gradient."""
-    rank, world, group = tp_layout()
-    v_local = logits.shape[-1]
-    start = rank * v_local
-    z = logits.detach().float()
-    n_real = vocab_size - start
-    if n_real < v_local:
-        z = z.masked_fill(torch.arange(v_local, device=z.device) >= max(n_real, 0), float("-inf"))
+    z, start, world, group = _real_vocab_slice(logits, vocab_size)
+    v_local = z.shape[-1]
     local_max = z.max(dim=-1).values
     # the largest id among the local maxima: flip, take the first, flip back
     local_id = v_local - 1 - z.flip(-1).argmax(dim=-1) + start

@@ -21,6 +21,9 @@ from transformers import AutoConfig
 AutoConfig.for_model("qwen2")
 import transformers.generation.candidate_generator as cg
 out = {{m: m in sys.modules for m in ("sklearn", "scipy")}}
+import importlib.metadata, transformers.utils.import_utils as iu
+out["distributions_equal"] = iu.PACKAGE_DISTRIBUTION_MAPPING == importlib.metadata.packages_distributions()
+out["distributions_patched"] = importlib.metadata.packages_distributions.__module__ != "importlib.metadata"
 import megatron.core, megatron.core.models.gpt, megatron.core.optimizer  # what a Megatron worker imports
 from megatron.core import jit
 from megatron.core.fusions.fused_bias_swiglu import bias_swiglu
@@ -55,6 +58,14 @@ def test_transformers_imports_no_sklearn_after_workers():
     assert {k: got[k] for k in ("sklearn", "scipy", "threshold_feature")} == dict.fromkeys(
         ("sklearn", "scipy", "threshold_feature"), False), got
     assert {k: got[k] for k in DIRECT} == DIRECT
+
+
+def test_transformers_reads_the_kept_distributions_map_only_while_it_imports():
+    """The map transformers keeps is the one importlib computes (the cache file answered it, or wrote it), and
+    importlib's own function is back in place afterwards; the same without the hooks."""
+    for first in ("import workers", "pass"):
+        got = _probe(first)
+        assert got["distributions_equal"] and not got["distributions_patched"], (first, got)
 
 
 def test_megatron_imports_neither_inductor_nor_wandb_after_workers_on_cpu():

@@ -1,5 +1,6 @@
-"""Keep what a process never uses out of four libraries' imports; each process that imports `workers` or
-`rlhf` gets these hooks, and every Megatron worker and rollout engine imports `workers` first.
+"""Keep out of library imports what a process never uses, or what an earlier process already computed; each
+process that imports `workers` or `rlhf` gets these hooks, and every Megatron worker and rollout engine imports
+`workers` first.
 
 - transformers (5.x) imports `sklearn.metrics` from `transformers.generation.candidate_generator` whenever
   scikit-learn is installed (lm-eval, in the eval extra, installs it), for one feature: the confidence
@@ -17,6 +18,10 @@
   features of its own training loop and inference engine, which nothing here runs. While those modules are
   imported, wandb reads as absent; the package stays importable (rlhf's metrics logger imports it when
   `trainer.logger` asks for it).
+- transformers maps import names to distributions with `importlib.metadata.packages_distributions()` while
+  `transformers.utils.import_utils` is imported: 1.3 s of CPU per process, reading every RECORD file. While that
+  module is imported the call is answered from a file kept between processes (workers/dist_cache.py), named
+  after the installed set, so an install or removal is never answered from an old file.
 - vLLM's audio module imports `scipy.signal` (about 1.3 s) for one of its audio resamplers; nothing here takes
   audio, and vLLM itself falls back to a placeholder that fails only when that resampler is called.
 """
@@ -33,6 +38,7 @@ from typing import Any
 _SKLEARN_USER = "transformers.generation.candidate_generator"
 _JIT = "megatron.core.jit"
 _AUDIO = "vllm.multimodal.audio"
+_DISTRIBUTIONS_USER = "transformers.utils.import_utils"
 _WANDB_USERS = ("megatron.core.inference.contexts.dynamic_context", "megatron.core.timers")
 
 
@@ -45,6 +51,19 @@ def _without_sklearn(run: Callable[[ModuleType], None], module: ModuleType) -> N
         run(module)
     finally:
         hf_utils.is_sklearn_available = found
+
+
+def _cached_distributions(run: Callable[[ModuleType], None], module: ModuleType) -> None:
+    import importlib.metadata
+
+    from workers.dist_cache import packages_distributions
+
+    computed = importlib.metadata.packages_distributions
+    importlib.metadata.packages_distributions = lambda: packages_distributions(compute=computed)
+    try:
+        run(module)
+    finally:
+        importlib.metadata.packages_distributions = computed
 
 
 def _eager_fuser_without_cuda(run: Callable[[ModuleType], None], module: ModuleType) -> None:
@@ -75,6 +94,7 @@ HOOKS: dict[str, Callable[[Callable[[ModuleType], None], ModuleType], None]] = {
     _JIT: _eager_fuser_without_cuda,
     **{name: _without("wandb") for name in _WANDB_USERS},
     _AUDIO: _without("scipy.signal"),
+    _DISTRIBUTIONS_USER: _cached_distributions,
 }
 
 

@@ -18,9 +18,12 @@ PROBE = """
 import json, sys
 {first}
 from transformers import AutoConfig
-AutoConfig.for_model("qwen2")
+config = AutoConfig.for_model("qwen2")
+generation_loaded = "transformers.generation.utils" in sys.modules  # the config's docstring imported it
 import transformers.generation.candidate_generator as cg
 out = {{m: m in sys.modules for m in ("sklearn", "scipy")}}
+out["generation_loaded"], out["config_doc"] = generation_loaded, bool(type(config).__doc__ and "Args" in type(config).__doc__)
+out["config_ok"] = config.model_type == "qwen2" and config.vocab_size > 0
 import importlib.metadata, transformers.utils.import_utils as iu
 out["distributions_equal"] = iu.PACKAGE_DISTRIBUTION_MAPPING == importlib.metadata.packages_distributions()
 out["distributions_patched"] = importlib.metadata.packages_distributions.__module__ != "importlib.metadata"
@@ -66,6 +69,15 @@ def test_transformers_reads_the_kept_distributions_map_only_while_it_imports():
     for first in ("import workers", "pass"):
         got = _probe(first)
         assert got["distributions_equal"] and not got["distributions_patched"], (first, got)
+
+
+def test_reading_a_config_imports_no_model_code_for_its_docstring():
+    """After the hooks a config class is defined without transformers writing its docstring (which imports
+    the auto-model registry and generation utilities); without them it has the generated one."""
+    got = _probe("import workers")
+    assert got["config_ok"] and not got["generation_loaded"] and not got["config_doc"], got
+    control = _probe("pass")
+    assert control["config_ok"] and control["generation_loaded"] and control["config_doc"], control
 
 
 def test_megatron_imports_neither_inductor_nor_wandb_after_workers_on_cpu():

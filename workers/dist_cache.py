@@ -5,7 +5,7 @@ RECORD file of every installed distribution that lacks `top_level.txt`: about 48
 of CPU in every Megatron worker, rollout engine and CLI process. The answer only changes when a distribution is
 installed or removed, which adds or removes a `*.dist-info` folder and so changes the mtime of its sys.path
 folder: the cache file is named after those mtimes (and the interpreter), so an install is a new file, never a
-stale answer. The file is JSON this module wrote, checked for its shape when read; anything else is ignored
+stale answer. Old files are never read again; each is about 9 KB. The file is JSON this module wrote, checked for its shape when read; anything else is ignored
 and computed again.
 """
 
@@ -27,14 +27,24 @@ def cache_dir() -> Path:
     return Path(root) / "rlhf"
 
 
+def _holds_distributions(folder: str) -> bool:
+    try:
+        with os.scandir(folder) as entries:
+            return any(e.name.endswith((".dist-info", ".egg-info")) for e in entries)
+    except OSError:
+        return False
+
+
 def cache_key(paths: list[str]) -> str:
-    """A name for the installed set seen through `paths`: each folder's path and mtime, and the interpreter."""
+    """A name for the installed set seen through `paths`: the interpreter, and the path and mtime of each entry
+    that holds distributions (a `*.dist-info` or `*.egg-info`) or is a file (a zip). Entries without any, such
+    as a Ray worker's session folders, change nothing importlib finds, so they change no name; an entry that
+    gains one enters the name."""
     parts = [sys.version]
     for entry in paths:
-        try:
-            parts.append(f"{os.path.abspath(entry or '.')}:{os.stat(entry or '.').st_mtime_ns}")
-        except OSError:
-            parts.append(f"{entry}:missing")
+        folder = os.path.abspath(entry or ".")
+        if os.path.isfile(folder) or _holds_distributions(folder):
+            parts.append(f"{folder}:{os.stat(folder).st_mtime_ns}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 

@@ -22,6 +22,11 @@ process that imports `workers` or `rlhf` gets these hooks, and every Megatron wo
   `transformers.utils.import_utils` is imported: 1.3 s of CPU per process, reading every RECORD file. While that
   module is imported the call is answered from a file kept between processes (workers/dist_cache.py), named
   after the installed set, so an install or removal is never answered from an old file.
+- transformers' `auto_docstring` decorator writes the documentation of each config and model class as the class
+  is defined, and for that imports the auto-model registry, the generation and masking utilities: about 3 s of
+  CPU in a process that only reads a config.json (every Megatron worker). It is replaced by a decorator that
+  returns the class or function unchanged: the same objects, without generated docstrings (only `help()`
+  text differs).
 - vLLM's audio module imports `scipy.signal` (about 1.3 s) for one of its audio resamplers; nothing here takes
   audio, and vLLM itself falls back to a placeholder that fails only when that resampler is called.
 """
@@ -39,6 +44,7 @@ _SKLEARN_USER = "transformers.generation.candidate_generator"
 _JIT = "megatron.core.jit"
 _AUDIO = "vllm.multimodal.audio"
 _DISTRIBUTIONS_USER = "transformers.utils.import_utils"
+_DOCSTRINGS = "transformers.utils"
 _WANDB_USERS = ("megatron.core.inference.contexts.dynamic_context", "megatron.core.timers")
 
 
@@ -64,6 +70,17 @@ def _cached_distributions(run: Callable[[ModuleType], None], module: ModuleType)
         run(module)
     finally:
         importlib.metadata.packages_distributions = computed
+
+
+def _undocumented(obj: Any = None, **_: Any) -> Any:
+    """`auto_docstring` without the docs: `@_undocumented` and `@_undocumented(custom_intro=...)` both return
+    the object they decorate."""
+    return obj if obj is not None else (lambda target: target)
+
+
+def _no_generated_docstrings(run: Callable[[ModuleType], None], module: ModuleType) -> None:
+    run(module)
+    module.auto_docstring = _undocumented  # type: ignore[attr-defined]  # read by `from ...utils import`
 
 
 def _eager_fuser_without_cuda(run: Callable[[ModuleType], None], module: ModuleType) -> None:
@@ -95,6 +112,7 @@ HOOKS: dict[str, Callable[[Callable[[ModuleType], None], ModuleType], None]] = {
     **{name: _without("wandb") for name in _WANDB_USERS},
     _AUDIO: _without("scipy.signal"),
     _DISTRIBUTIONS_USER: _cached_distributions,
+    _DOCSTRINGS: _no_generated_docstrings,
 }
 
 

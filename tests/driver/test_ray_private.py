@@ -33,6 +33,10 @@ own = init_ray(TrainerConfig(output_dir=sys.argv[1], dashboard={dashboard}, ray_
 class A:
     def pid(self):
         return os.getpid()
+    def env(self):
+        return {{k: os.environ.get(k) for k in ("TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}}
+    def runtime_env(self):
+        return dict(ray.get_runtime_context().runtime_env)
 a = A.remote()
 ray.get(a.pid.remote(), timeout=120)
 """
@@ -52,9 +56,13 @@ import urllib.request  # the metrics export port answers without the token (as d
 port = ray._private.worker._global_node.metrics_export_port
 metrics_open = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).status == 200
 temp_dir = str(own.temp_dir)
+worker_env = ray.get(a.env.remote(), timeout=60)
+driver_env = {k: os.environ.get(k) for k in worker_env}
+runtime_env = ray.get(a.runtime_env.remote(), timeout=60)
 own.stop()
 print("RESULT", json.dumps({"listen": listen, "node_ip": node_ip, "temp_dir": temp_dir, "metrics_open": metrics_open,
-                            "token": str(token_path()), "scratch_left": os.path.exists(temp_dir)}))
+                            "token": str(token_path()), "scratch_left": os.path.exists(temp_dir), "worker_env": worker_env,
+                            "driver_env": driver_env, "runtime_env": runtime_env}))
 """
 
 
@@ -68,12 +76,19 @@ def test_embedded_ray_listens_on_loopback_only(where, tmp_path):
         out = home / "run" if where == "run_dir" else tmp_path / ("x" * 60) / "run"
         env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(home), "RAY_AUTH_MODE": "token"}
         env.pop("RAY_AUTH_TOKEN_PATH", None)
-        env.pop("RAY_ADDRESS", None)
+        for name in ("RAY_ADDRESS", "TOKENIZERS_PARALLELISM", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+            env.pop(name, None)
         proc = subprocess.run([sys.executable, "-c", SCRIPT, str(out)], env=env, capture_output=True, text=True,
                               timeout=280)
         assert proc.returncode == 0, proc.stderr[-3000:]
         res = json.loads(proc.stdout.split("RESULT ", 1)[1])
         assert res["node_ip"] == "127.0.0.1"
+        # the workers inherit these from the embedded Ray's processes (no job runtime_env: each worker would
+        # start through Ray's setup_worker, a second interpreter and Ray import); the driver's own are untouched
+        assert res["worker_env"] == {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+                                     "HF_DATASETS_OFFLINE": "1"}, res["worker_env"]
+        assert set(res["driver_env"].values()) == {None}, res["driver_env"]
+        assert res["runtime_env"] == {}, res["runtime_env"]
         assert res["metrics_open"], "docs/security.md says the metrics export port answers without a token"
         assert not stale_shm.exists(), "the start did not remove a dead driver's weight-sync file"
         assert len(res["listen"]) >= 5, res["listen"]  # GCS, raylet, agents, dashboard, the actor's worker

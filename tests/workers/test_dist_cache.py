@@ -69,3 +69,18 @@ def test_an_unwritable_cache_folder_still_answers(site, tmp_path):
     blocked = tmp_path / "file"
     blocked.write_text("a file where the cache folder would go")
     assert dist_cache.packages_distributions(blocked / "cache")["probe_a"] == ["probe-dist-a"]
+
+
+def test_a_path_entry_without_distributions_changes_no_key_until_it_gains_one(site, tmp_path, monkeypatch):
+    """A Ray worker's sys.path has session folders of its own: they must not make a new cache file per
+    session, yet a distribution installed there must be seen."""
+    _install(site, "probe-dist-a", "probe_a")
+    before = dist_cache.cache_key(list(sys.path))
+    plain = tmp_path / "session"
+    plain.mkdir()
+    (plain / "module.py").write_text("")
+    monkeypatch.syspath_prepend(str(plain))
+    assert dist_cache.cache_key(list(sys.path)) == before
+    _install(plain, "probe-dist-c", "probe_c")
+    assert dist_cache.cache_key(list(sys.path)) != before
+    assert dist_cache.packages_distributions(tmp_path / "cache")["probe_c"] == ["probe-dist-c"]

@@ -17,6 +17,7 @@ An embedded instance:
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import secrets
@@ -24,6 +25,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from rlhf.config.schema import TrainerConfig
@@ -154,6 +156,21 @@ def dashboard_hint(url: str, temp_dir: Path, output_dir: str | Path) -> str:
             f"TensorBoard (`tensorboard --logdir {output_dir}`) and {output_dir}/report.png")
 
 
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """`values` in os.environ while the block runs (the embedded Ray's processes inherit them), then as before."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def init_ray(trainer: TrainerConfig, log_to_driver: bool = True) -> EmbeddedRay | None:
     """Initialise Ray if needed; return the embedded instance when this process started one. `log_to_driver`:
     the workers' output is echoed here too (it is in the run's logs/ either way)."""
@@ -177,9 +194,10 @@ def init_ray(trainer: TrainerConfig, log_to_driver: bool = True) -> EmbeddedRay 
     _set_cluster_mode("0")
     own = EmbeddedRay(temp_dir, scratch, saved_env)
     try:
-        ctx = ray.init(num_cpus=num_cpus, include_dashboard=trainer.dashboard, dashboard_host="127.0.0.1",
-                       _node_ip_address="127.0.0.1", _temp_dir=str(temp_dir), runtime_env=env,
-                       log_to_driver=log_to_driver, configure_logging=False)
+        with _environ(env["env_vars"]):
+            ctx = ray.init(num_cpus=num_cpus, include_dashboard=trainer.dashboard, dashboard_host="127.0.0.1",
+                           _node_ip_address="127.0.0.1", _temp_dir=str(temp_dir), log_to_driver=log_to_driver,
+                           configure_logging=False)
         node_ip = ray.util.get_node_ip_address()
         if not str(node_ip).startswith("127."):
             raise RuntimeError(f"the embedded Ray took the node address {node_ip}, not 127.0.0.1; refusing to "
